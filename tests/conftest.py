@@ -1,0 +1,57 @@
+"""Shared fixtures: the SmolLM2 tokenizer (read once per session) and tiny random models built from a
+config, so no test downloads anything."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from alignment import models
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = Path(os.environ.get("ALIGNMENT_DATA_DIR", REPO_ROOT.parent / "shared" / "data")).resolve()
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    if not (DATA_DIR / "gsm8k" / "test.jsonl").exists():
+        pytest.skip(f"shared data not found in {DATA_DIR}; set ALIGNMENT_DATA_DIR")
+    return DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """HF-format SmolLM2-135M-Instruct, converted from the packaged GGUF once and cached."""
+    return models.resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_dir):
+    return models.load_tokenizer(smollm2_dir)
+
+
+def build_tiny_model(tokenizer, seed: int = 0, num_layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def tiny_model(tokenizer):
+    """A fresh 2-layer random Llama (hidden size 64) sharing the SmolLM2 vocabulary."""
+    return build_tiny_model(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tokenizer, tmp_path_factory) -> str:
+    """The tiny random model saved in HF format, for code paths that take `--model <dir>`."""
+    path = tmp_path_factory.mktemp("tiny_model")
+    build_tiny_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
