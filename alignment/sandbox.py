@@ -29,7 +29,8 @@ Threat model, layer by layer (`Sandbox().layers` lists the ones active on this m
   down loopback, so even 127.0.0.1 is unreachable before seccomp is consulted. Not a PID namespace:
   the child can list host processes in /proc (though not read their environ/memory: other uid).
 - scratch dir: each snippet runs in a fresh directory (owned by nobody, on the zygote's tmpfs) that is
-  removed afterwards; it is the only writable place, so snippets cannot leave state for the next one.
+  removed afterwards; it is the only writable place (tmpfs capped at 256 MiB per zygote), so snippets
+  cannot leave state for the next one.
 Not covered: kernel bugs (the child still reaches most syscalls), reading world-readable files that
 the uid drop cannot hide (e.g. /etc/passwd, the repo's sources), covert timing channels, and memory
 pressure from many concurrent children (each may use up to `memory_mb`).
@@ -269,9 +270,9 @@ def _run_one(req, load_seccomp):
                 poller.unregister(fd)
                 open_fds.discard(fd)
     if timed_out:
-        for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        for kill in (os.killpg, os.kill):  # the group, and the child itself in case it had no session yet
             try:
-                kill()
+                kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
     status = os.waitpid(pid, 0)[1]
@@ -282,8 +283,8 @@ def _run_one(req, load_seccomp):
         os.close(fd)
     os.close(pidfd)
     shutil.rmtree(scratch, ignore_errors=True)
-    code, sig = os.waitstatus_to_exitcode(status), 0
-    sig = -code if code < 0 else 0
+    code = os.waitstatus_to_exitcode(status)  # negative: killed by that signal
+    sig = max(0, -code)
     stderr_lines = [line for line in streams[err_r].text().splitlines() if line.strip()]
     if timed_out:
         error = f"TimeoutError: timed out after {req['timeout']} seconds"
