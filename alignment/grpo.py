@@ -1,0 +1,309 @@
+"""Policy-gradient maths: rewards to advantages, per-token losses, masked reductions, aggregation.
+
+Pure tensor-in, tensor-out functions; the training loop calls them. Nothing here sees a model, a
+tokenizer, a file or an args object (logits and tokens live in `alignment/tokens.py`). Names and
+arguments follow the reference design (Stanford CS336 assignment 5), so code written against it runs
+unchanged; the extensions (clip-higher, KL, other aggregations, dynamic sampling) are keyword-only with
+defaults that reproduce the reference.
+
+Shapes: B rows (sequences) in a microbatch, T token positions; A is one advantage per row, (B, 1).
+"""
+
+from collections.abc import Callable
+
+import einx
+import torch
+
+LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
+LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "trace-length")
+
+
+def compute_group_normalized_rewards(
+    reward_fn: Callable[[str, str], dict[str, float]],
+    rollout_responses: list[str],
+    repeated_ground_truths: list[str],
+    group_size: int,
+    advantage_eps: float,
+    normalize_by_std: bool,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Score each response and turn rewards into group-relative advantages (GRPO, DeepSeekMath eq. 3).
+
+    Responses come in consecutive groups of `group_size` that share a prompt. The advantage is the reward
+    minus its group mean, divided by (the group's unbiased std + advantage_eps) when normalize_by_std
+    (Dr. GRPO drops that division: it up-weights groups that are nearly all right or all wrong). A group
+    whose rewards are all equal carries no signal and gets advantage exactly 0; this also covers group
+    size 1, where the std is undefined, so no NaN can appear.
+
+    Returns (advantages (N,), raw_rewards (N,), metadata) with the reward mean/std/max/min over all
+    responses, the fraction of groups with zero variance, and the mean of every other key reward_fn
+    returns (usually format_reward and answer_reward).
+    """
+    if len(rollout_responses) != len(repeated_ground_truths):
+        raise ValueError(f"got {len(rollout_responses)} responses but {len(repeated_ground_truths)} "
+                         "ground truths; repeat each ground truth once per response")
+    if group_size < 1 or len(rollout_responses) % group_size:
+        raise ValueError(f"{len(rollout_responses)} responses do not split into groups of {group_size}")
+    scores = [reward_fn(r, gt) for r, gt in zip(rollout_responses, repeated_ground_truths)]
+    raw_rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)  # (N,)
+
+    n = group_size
+    mean = einx.mean("(g n) -> g", raw_rewards, n=n)
+    centered = einx.subtract("(g n), g -> (g n)", raw_rewards, mean)
+    # Unbiased (n - 1) estimate, written out so it does not depend on a backend's default.
+    std = (einx.sum("(g n) -> g", centered**2, n=n) / max(n - 1, 1)).sqrt()
+    spread = einx.max("(g n) -> g", raw_rewards, n=n) - einx.min("(g n) -> g", raw_rewards, n=n)
+    if normalize_by_std:
+        centered = einx.divide("(g n), g -> (g n)", centered, std + advantage_eps)
+    # Exact zeros for all-equal groups: float round-off in the mean must not become a signal.
+    advantages = einx.where("g, (g n), -> (g n)", spread > 0, centered, 0.0)
+
+    metadata = {
+        "reward_mean": raw_rewards.mean().item(),
+        "reward_std": raw_rewards.std(correction=0).item(),  # population std: defined for N = 1 too
+        "reward_max": raw_rewards.max().item(),
+        "reward_min": raw_rewards.min().item(),
+        "zero_std_fraction": (spread == 0).float().mean().item(),
+    }
+    for key in scores[0]:
+        if key != "reward":
+            metadata[f"{key}_mean"] = sum(float(s[key]) for s in scores) / len(scores)
+    return advantages, raw_rewards, metadata
+
+
+def filter_groups(rewards: torch.Tensor, group_size: int, low: float | None = None,
+                  high: float | None = None) -> torch.Tensor:
+    """Dynamic sampling (DAPO section 3.2): which responses to keep, as a bool mask (N,).
+
+    Drops every group whose rewards are all equal (its advantages are all 0: it costs compute and adds
+    nothing), and, when `low`/`high` are given, every group whose mean reward (accuracy, for 0/1 rewards)
+    lies outside [low, high] (ZeroTIR trains on 0.2-0.8). The RL loop applies it right after scoring:
+
+        keep = filter_groups(raw_rewards, rollouts_per_prompt, low=0.2, high=0.8)
+        rollouts = [r for r, k in zip(rollouts, keep.tolist()) if k]   # then sample more, or go on
+    """
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    n = group_size
+    spread = einx.max("(g n) -> g", rewards, n=n) - einx.min("(g n) -> g", rewards, n=n)
+    mean = einx.mean("(g n) -> g", rewards.float(), n=n)
+    keep = spread > 0
+    if low is not None:
+        keep &= mean >= low
+    if high is not None:
+        keep &= mean <= high
+    return einx.id("g -> (g n)", keep, n=n)
+
+
+def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(tensor * mask) / sum(mask) over `dim` (all elements when None). No epsilon, as in the
+    reference: a fully masked row gives 0/0 = NaN. The train steps never call it on rows that may be
+    empty; `aggregate_loss` guards its own denominators."""
+    if dim is None:
+        return (tensor * mask).sum() / mask.sum()
+    return (tensor * mask).sum(dim) / mask.sum(dim)
+
+
+def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, normalize_constant: float,
+                     dim: int | None = None) -> torch.Tensor:
+    """sum(tensor * mask) over `dim` (all elements when None), divided by a constant."""
+    if dim is None:
+        return (tensor * mask).sum() / normalize_constant
+    return (tensor * mask).sum(dim) / normalize_constant
+
+
+def compute_naive_policy_gradient_loss(raw_rewards_or_advantages: torch.Tensor,
+                                       policy_log_probs: torch.Tensor) -> torch.Tensor:
+    """REINFORCE per-token loss -A * log pi(o_t) (B, T); A is (B, 1) (a (B,) vector is accepted).
+    With raw rewards this is vanilla REINFORCE; with group-centred rewards, REINFORCE with a baseline."""
+    advantages = raw_rewards_or_advantages.reshape(-1, 1)  # (B, 1)
+    return -advantages * policy_log_probs
+
+
+def compute_grpo_clip_loss(advantages: torch.Tensor, policy_log_probs: torch.Tensor,
+                           old_log_probs: torch.Tensor, cliprange: float, *,
+                           cliprange_high: float | None = None) -> tuple[torch.Tensor, dict]:
+    """GRPO-clip per-token loss (DeepSeekMath eq. 3, PPO's clipped surrogate) (B, T):
+
+        -min(ratio * A, clip(ratio, 1 - cliprange, 1 + cliprange_high) * A),  ratio = pi / pi_old
+
+    `cliprange_high` defaults to `cliprange`; a larger one is DAPO's clip-higher (section 3.1; 0.2/0.28),
+    which leaves low-probability tokens room to grow and slows entropy collapse. metadata["clipped"] is
+    a bool (B, T) tensor: True where the clipped term is the smaller one, i.e. the token gets no gradient.
+    """
+    high = cliprange if cliprange_high is None else cliprange_high
+    advantages = advantages.reshape(-1, 1)  # (B, 1)
+    ratio = torch.exp(policy_log_probs - old_log_probs)  # (B, T)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - cliprange, 1 + high) * advantages
+    return -torch.minimum(unclipped, clipped), {"clipped": clipped < unclipped}
+
+
+def compute_policy_gradient_loss(
+    policy_log_probs: torch.Tensor,
+    loss_type: str,
+    raw_rewards: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | None = None,
+    *,
+    cliprange_high: float | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """Per-token loss (B, T) and metadata for `loss_type`; the one place that branches on it.
+
+    no_baseline uses raw_rewards; reinforce_with_baseline uses advantages; grpo_clip uses advantages,
+    old_log_probs, cliprange (and cliprange_high). Arguments a loss type does not use are ignored.
+    """
+    if loss_type == "no_baseline":
+        _require(loss_type, raw_rewards=raw_rewards)
+        return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
+    elif loss_type == "reinforce_with_baseline":
+        _require(loss_type, advantages=advantages)
+        return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
+    elif loss_type == "grpo_clip":
+        _require(loss_type, advantages=advantages, old_log_probs=old_log_probs, cliprange=cliprange)
+        return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange,
+                                      cliprange_high=cliprange_high)
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
+
+
+def _require(loss_type: str, **arguments) -> None:
+    missing = [name for name, value in arguments.items() if value is None]
+    if missing:
+        raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
+
+
+def approx_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref): exp(r) - r - 1 with r = log pi_ref - log pi.
+    Unbiased and always >= 0 (Schulman, "Approximating KL divergence", 2020; DeepSeekMath eq. 4)."""
+    log_ratio = ref_log_probs - policy_log_probs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def aggregate_loss(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "seq-mean-token-mean",
+    *,
+    gradient_accumulation_steps: int = 1,
+    max_response_length: int | None = None,
+    num_tokens: int | None = None,
+    trace_lengths: torch.Tensor | None = None,
+    num_traces: int | None = None,
+) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss to this microbatch's scalar share of the train batch's loss.
+
+    Summing the results over the `gradient_accumulation_steps` microbatches of one optimizer step gives
+    the batch loss. The mean modes are divided by gradient_accumulation_steps, which is exact when the
+    microbatches have equal row counts (the reference's assumption); the modes whose normaliser is a
+    whole-batch count (`num_tokens`, `num_traces`) are exact for any split and are not divided.
+    Rows with no response tokens contribute 0 (their denominators are clamped to 1), never NaN.
+
+    - seq-mean-token-mean: mean over tokens per row, then over rows (the reference; GRPO, DeepSeekMath
+      eq. 3). Long responses get less weight per token.
+    - token-mean: one mean over every response token of the batch (DAPO section 3.3, token-level
+      policy-gradient loss): every token weighs the same, so long responses are not diluted.
+      `num_tokens` is the batch's total response-token count; without it, this microbatch's count times
+      gradient_accumulation_steps stands in (exact when microbatches hold equal token counts).
+    - seq-mean-token-sum-norm: per-row token sum divided by the constant `max_response_length`, then
+      mean over rows (Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training", section 3.1);
+      with normalize_by_std=False it removes both of
+      GRPO's length and difficulty biases.
+    - trace-length: (1/G) sum_traces (1/len(trace)) sum over the trace's rows and tokens (Delethink
+      eq. 3), where one trace spans several rows (chunks). `trace_lengths` (B,) is the total response
+      length of each row's trace, `num_traces` is G, the number of traces in the whole train batch. Each
+      row's term is its token sum / (trace length * G), so the formula is a plain sum over rows and
+      splits over microbatches in any way, even with a trace's rows in different microbatches.
+    """
+    mask = mask.to(per_token_loss.dtype)
+    row_sums = (per_token_loss * mask).sum(-1)  # (B,)
+    if mode == "seq-mean-token-mean":
+        loss = (row_sums / mask.sum(-1).clamp(min=1)).mean() / gradient_accumulation_steps
+    elif mode == "token-mean":
+        if num_tokens is None:
+            num_tokens = mask.sum().clamp(min=1) * gradient_accumulation_steps
+        loss = row_sums.sum() / num_tokens
+    elif mode == "seq-mean-token-sum-norm":
+        if max_response_length is None:
+            raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' needs max_response_length "
+                             "(Dr. GRPO's constant normaliser, e.g. the sampling max_tokens)")
+        loss = (row_sums / max_response_length).mean() / gradient_accumulation_steps
+    elif mode == "trace-length":
+        if trace_lengths is None or num_traces is None:
+            raise ValueError("loss_agg_mode 'trace-length' needs trace_lengths (B,), the response "
+                             "length of each row's whole trace, and num_traces in the train batch")
+        loss = (row_sums / trace_lengths.to(row_sums).clamp(min=1)).sum() / num_traces
+    else:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+    return loss
+
+
+def _mean_over_mask(tensor: torch.Tensor, mask: torch.Tensor) -> float:
+    """For logging: masked mean that reads 0 on an empty mask instead of NaN."""
+    return ((tensor * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
+def sft_microbatch_train_step(policy_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                              gradient_accumulation_steps: int,
+                              normalize_constant: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """SFT: minus the masked sum of log-probs, divided by normalize_constant, by the batch size and by
+    gradient_accumulation_steps; calls backward() (gradients accumulate) and returns (loss, metadata)."""
+    batch_size = policy_log_probs.shape[0]
+    nll = -masked_normalize(policy_log_probs, response_mask, normalize_constant)
+    loss = nll / batch_size / gradient_accumulation_steps
+    loss.backward()
+    metadata = {"num_response_tokens": response_mask.sum().item(),
+                "mean_token_log_prob": _mean_over_mask(policy_log_probs.detach(), response_mask)}
+    return loss.detach(), metadata
+
+
+def grpo_microbatch_train_step(
+    policy_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    gradient_accumulation_steps: int,
+    loss_type: str,
+    raw_rewards: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | None = None,
+    *,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    cliprange_high: float | None = None,
+    kl_coef: float = 0.0,
+    ref_log_probs: torch.Tensor | None = None,
+    max_response_length: int | None = None,
+    num_tokens: int | None = None,
+    trace_lengths: torch.Tensor | None = None,
+    num_traces: int | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """One RL microbatch: per-token loss, optional KL penalty, aggregation, backward().
+
+    With the defaults this is the reference: per-sequence masked mean over tokens, then the batch mean,
+    divided by gradient_accumulation_steps. Gradients accumulate in place across calls. The keyword-only
+    arguments select the extensions; see `aggregate_loss` for the modes and how each one splits over
+    microbatches (pass the whole train batch's `num_tokens` / `num_traces`, not the microbatch's).
+    With `ref_log_probs` the mean k3 KL to the reference policy is reported, and `kl_coef` * KL is added
+    to every token's loss (GRPO, DeepSeekMath eq. 3; most recent recipes use 0).
+
+    Returns (the scaled loss that was backpropagated, detached; metadata with clip_fraction over
+    response tokens for grpo_clip, and kl when ref_log_probs is given).
+    """
+    if kl_coef and ref_log_probs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_log_probs from the frozen reference policy")
+    per_token_loss, loss_metadata = compute_policy_gradient_loss(
+        policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange,
+        cliprange_high=cliprange_high)
+    metadata = {}
+    if ref_log_probs is not None:
+        kl = approx_kl(policy_log_probs, ref_log_probs)  # (B, T)
+        if kl_coef:
+            per_token_loss = per_token_loss + kl_coef * kl
+        metadata["kl"] = _mean_over_mask(kl.detach(), response_mask)
+    if "clipped" in loss_metadata:
+        metadata["clip_fraction"] = _mean_over_mask(loss_metadata["clipped"].float(), response_mask)
+
+    loss = aggregate_loss(per_token_loss, response_mask, loss_agg_mode,
+                          gradient_accumulation_steps=gradient_accumulation_steps,
+                          max_response_length=max_response_length, num_tokens=num_tokens,
+                          trace_lengths=trace_lengths, num_traces=num_traces)
+    loss.backward()
+    return loss.detach(), metadata

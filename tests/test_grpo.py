@@ -1,0 +1,337 @@
+"""Policy-gradient maths: hand-computed tiny tensors, and loops against the vectorised code."""
+
+import math
+
+import pytest
+import torch
+
+from alignment.grpo import (LOSS_AGG_MODES, aggregate_loss, approx_kl, compute_grpo_clip_loss,
+                            compute_group_normalized_rewards, compute_naive_policy_gradient_loss,
+                            compute_policy_gradient_loss, filter_groups, grpo_microbatch_train_step,
+                            masked_mean, masked_normalize, sft_microbatch_train_step)
+
+
+def exact_match_reward(response, ground_truth):
+    correct = float(response == ground_truth)
+    return {"format_reward": 1.0, "answer_reward": correct, "reward": correct}
+
+
+def reward_of_response(response, ground_truth):
+    return {"reward": float(response)}
+
+
+# ---- advantages -----------------------------------------------------------------------------------
+
+def test_group_normalized_rewards_by_hand():
+    responses = ["a", "b", "a", "a", "x", "y"]  # groups: [1, 0, 1] and [1, 0, 0]
+    adv, raw, meta = compute_group_normalized_rewards(exact_match_reward, responses, ["a"] * 6,
+                                                      group_size=3, advantage_eps=0.0,
+                                                      normalize_by_std=True)
+    assert raw.tolist() == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    # group [1, 0, 1]: mean 2/3, unbiased std sqrt(((1/3)^2 * 2 + (2/3)^2) / 2) = sqrt(1/3)
+    s = math.sqrt(1 / 3)
+    expected = [(1 / 3) / s, (-2 / 3) / s, (1 / 3) / s, (2 / 3) / s, (-1 / 3) / s, (-1 / 3) / s]
+    torch.testing.assert_close(adv, torch.tensor(expected))
+    assert meta["reward_mean"] == pytest.approx(0.5)
+    assert meta["reward_std"] == pytest.approx(0.5)
+    assert (meta["reward_max"], meta["reward_min"]) == (1.0, 0.0)
+    assert meta["zero_std_fraction"] == 0.0
+    assert meta["format_reward_mean"] == 1.0 and meta["answer_reward_mean"] == pytest.approx(0.5)
+
+
+def test_group_normalized_rewards_without_std_and_with_eps():
+    responses = ["3", "1", "0", "0"]
+    adv, _, _ = compute_group_normalized_rewards(reward_of_response, responses, [""] * 4, 2, 0.1,
+                                                 normalize_by_std=False)
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, 0.0, 0.0]))
+    adv, _, meta = compute_group_normalized_rewards(reward_of_response, responses, [""] * 4, 2, 0.1,
+                                                    normalize_by_std=True)
+    std = math.sqrt(2.0)  # group [3, 1]: deviations +-1, unbiased variance 2
+    torch.testing.assert_close(adv, torch.tensor([1 / (std + 0.1), -1 / (std + 0.1), 0.0, 0.0]))
+    assert meta["zero_std_fraction"] == 0.5
+    assert "format_reward_mean" not in meta
+
+
+@pytest.mark.parametrize("normalize_by_std", [True, False])
+def test_all_equal_rewards_and_group_size_one_give_zero_not_nan(normalize_by_std):
+    # 0.1 is not exact in binary: the group mean may differ from the rewards by round-off.
+    responses = ["0.1"] * 3 + ["1"] * 3
+    adv, _, meta = compute_group_normalized_rewards(reward_of_response, responses, [""] * 6, 3, 0.0,
+                                                    normalize_by_std)
+    assert adv.tolist() == [0.0] * 6
+    assert meta["zero_std_fraction"] == 1.0
+    adv, raw, meta = compute_group_normalized_rewards(reward_of_response, ["1", "0", "0.5"],
+                                                      [""] * 3, 1, 0.0, normalize_by_std)
+    assert adv.tolist() == [0.0] * 3 and raw.tolist() == [1.0, 0.0, 0.5]
+    assert meta["zero_std_fraction"] == 1.0 and not math.isnan(meta["reward_std"])
+
+
+def test_group_normalized_rewards_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="groups of 2"):
+        compute_group_normalized_rewards(reward_of_response, ["1"] * 3, [""] * 3, 2, 1e-6, True)
+    with pytest.raises(ValueError, match="ground truths"):
+        compute_group_normalized_rewards(reward_of_response, ["1"] * 4, [""] * 2, 2, 1e-6, True)
+
+
+def test_filter_groups():
+    rewards = torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 1, 0])  # groups of 4
+    # accuracies 1.0, 0.0, 0.25, 0.75; the first two have zero variance
+    keep = filter_groups(rewards, 4)
+    assert keep.tolist() == [False] * 8 + [True] * 8
+    keep = filter_groups(rewards, 4, low=0.3, high=0.8)
+    assert keep.tolist() == [False] * 12 + [True] * 4
+    keep = filter_groups(rewards, 4, high=0.5)
+    assert keep.tolist() == [False] * 8 + [True] * 4 + [False] * 4
+    assert filter_groups(torch.tensor([1.0, 0.0]), 1).tolist() == [False, False]
+    with pytest.raises(ValueError):
+        filter_groups(rewards, 3)
+
+
+# ---- masked reductions ----------------------------------------------------------------------------
+
+def test_masked_mean_and_normalize_by_hand():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 1]])
+    assert masked_mean(x, mask).item() == pytest.approx((1 + 2 + 6) / 3)
+    torch.testing.assert_close(masked_mean(x, mask, dim=1), torch.tensor([1.5, 6.0]))
+    torch.testing.assert_close(masked_mean(x, mask, dim=0), torch.tensor([1.0, 2.0, 6.0]))
+    assert masked_normalize(x, mask, 2.0).item() == pytest.approx(4.5)
+    torch.testing.assert_close(masked_normalize(x, mask, 4.0, dim=1), torch.tensor([0.75, 1.5]))
+    torch.testing.assert_close(masked_normalize(x, mask.bool(), 1.0, dim=0), torch.tensor([1.0, 2.0, 6.0]))
+
+
+def test_masked_mean_of_fully_masked_row_is_nan():
+    # The contract has no epsilon: 0/0. aggregate_loss is what guards empty rows.
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    out = masked_mean(x, torch.tensor([[1, 0], [0, 0]]), dim=1)
+    assert out[0].item() == 1.0 and math.isnan(out[1].item())
+
+
+# ---- per-token losses -----------------------------------------------------------------------------
+
+def test_naive_policy_gradient_loss_by_hand():
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+    out = compute_naive_policy_gradient_loss(torch.tensor([[2.0], [-1.0]]), logp)
+    torch.testing.assert_close(out, torch.tensor([[2.0, 4.0], [-0.5, -3.0]]))
+    # a (B,) vector means one value per row, never a broadcast over positions
+    torch.testing.assert_close(compute_naive_policy_gradient_loss(torch.tensor([2.0, -1.0]), logp), out)
+
+
+def clip_case():
+    ratios = torch.tensor([[1.5, 0.5, 1.1], [1.5, 0.5, 1.1]])
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.5]])
+    return torch.tensor([[1.0], [-1.0]]), old + ratios.log(), old
+
+
+def test_grpo_clip_loss_by_hand():
+    adv, logp, old = clip_case()
+    loss, meta = compute_grpo_clip_loss(adv, logp, old, 0.2)
+    # A=+1: min(r, clip(r)) = 1.2, 0.5, 1.1.  A=-1: min(-r, -clip(r)) = -1.5, -0.8, -1.1.
+    torch.testing.assert_close(loss, torch.tensor([[-1.2, -0.5, -1.1], [1.5, 0.8, 1.1]]))
+    assert meta["clipped"].tolist() == [[True, False, False], [False, True, False]]
+
+
+def test_grpo_clip_higher_by_hand():
+    adv, logp, old = clip_case()
+    loss, meta = compute_grpo_clip_loss(adv, logp, old, 0.2, cliprange_high=0.6)
+    torch.testing.assert_close(loss, torch.tensor([[-1.5, -0.5, -1.1], [1.5, 0.8, 1.1]]))
+    assert meta["clipped"].tolist() == [[False, False, False], [False, True, False]]
+    loss, _ = compute_grpo_clip_loss(adv, logp, old, 0.2, cliprange_high=0.28)
+    assert loss[0, 0].item() == pytest.approx(-1.28)
+
+
+def test_policy_gradient_loss_dispatch():
+    adv, logp, old = clip_case()
+    rewards = torch.tensor([[3.0], [0.0]])
+    junk = torch.full_like(logp, float("nan"))  # unused arguments must be ignored
+    out, meta = compute_policy_gradient_loss(logp, "no_baseline", rewards, junk, junk, 0.2)
+    torch.testing.assert_close(out, -rewards * logp)
+    assert meta == {}
+    out, _ = compute_policy_gradient_loss(logp, "reinforce_with_baseline", junk, adv, junk, 0.2)
+    torch.testing.assert_close(out, -adv * logp)
+    out, meta = compute_policy_gradient_loss(logp, "grpo_clip", junk, adv, old, 0.2)
+    torch.testing.assert_close(out, compute_grpo_clip_loss(adv, logp, old, 0.2)[0])
+    assert meta["clipped"].any()
+    with pytest.raises(ValueError, match="no_baseline, reinforce_with_baseline, grpo_clip"):
+        compute_policy_gradient_loss(logp, "ppo", rewards, adv, old, 0.2)
+    with pytest.raises(ValueError, match="old_log_probs"):
+        compute_policy_gradient_loss(logp, "grpo_clip", advantages=adv, cliprange=0.2)
+
+
+def test_k3_kl_by_hand():
+    logp = torch.log(torch.tensor([[0.5, 0.2]]))
+    ref = torch.log(torch.tensor([[0.25, 0.2]]))
+    # r = log(0.25 / 0.5): exp(r) - r - 1 = 0.5 + log 2 - 1
+    torch.testing.assert_close(approx_kl(logp, ref), torch.tensor([[0.5 + math.log(2) - 1, 0.0]]))
+
+
+# ---- aggregation: hand-computed, loops, microbatches ----------------------------------------------
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+MASK = torch.tensor([[1, 1, 0], [0, 0, 1], [0, 0, 0]])  # the last row is fully masked
+
+
+@pytest.mark.parametrize("mode, kwargs, expected", [
+    ("seq-mean-token-mean", {}, (1.5 + 6.0 + 0.0) / 3),
+    ("token-mean", {}, (1 + 2 + 6) / 3),
+    ("token-mean", {"num_tokens": 9}, (1 + 2 + 6) / 9),
+    ("seq-mean-token-sum-norm", {"max_response_length": 4}, (3 / 4 + 6 / 4 + 0) / 3),
+    # rows 0 and 1 form one trace of length 3, row 2 a trace of its own (length 0); G = 2
+    ("trace-length", {"trace_lengths": torch.tensor([3, 3, 0]), "num_traces": 2}, (9 / 3 + 0) / 2),
+])
+def test_aggregate_loss_by_hand(mode, kwargs, expected):
+    assert aggregate_loss(LOSS, MASK, mode, **kwargs).item() == pytest.approx(expected)
+    scaled = aggregate_loss(LOSS, MASK, mode, gradient_accumulation_steps=2, **kwargs).item()
+    whole_batch_normaliser = "num_tokens" in kwargs or mode == "trace-length"
+    assert scaled == pytest.approx(expected if whole_batch_normaliser else expected / 2)
+
+
+def test_aggregate_loss_errors():
+    with pytest.raises(ValueError, match="token-mean, seq-mean-token-sum-norm"):
+        aggregate_loss(LOSS, MASK, "sum")
+    with pytest.raises(ValueError, match="max_response_length"):
+        aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="trace_lengths"):
+        aggregate_loss(LOSS, MASK, "trace-length")
+
+
+def random_batch(seed, rows=8, positions=7, traces=3):
+    g = torch.Generator().manual_seed(seed)
+    loss = torch.randn(rows, positions, generator=g)
+    mask = (torch.rand(rows, positions, generator=g) < 0.6).long()
+    mask[1] = 0  # always one fully masked row
+    trace_of_row = torch.randint(0, traces, (rows,), generator=g)
+    trace_of_row[:traces] = torch.arange(traces)  # every trace has at least one row
+    return loss, mask, trace_of_row
+
+
+def loop_aggregate(loss, mask, mode, max_len, trace_of_row):
+    rows, positions = loss.shape
+    sums = [sum(loss[r, t].item() for t in range(positions) if mask[r, t]) for r in range(rows)]
+    counts = [sum(int(mask[r, t]) for t in range(positions)) for r in range(rows)]
+    if mode == "seq-mean-token-mean":
+        return sum(s / c if c else 0.0 for s, c in zip(sums, counts)) / rows
+    if mode == "token-mean":
+        return sum(sums) / sum(counts)
+    if mode == "seq-mean-token-sum-norm":
+        return sum(s / max_len for s in sums) / rows
+    # trace-length: (1/G) sum over traces of (1/len(trace)) sum over its rows and tokens
+    traces = sorted(set(trace_of_row.tolist()))
+    total = 0.0
+    for trace in traces:
+        members = [r for r in range(rows) if trace_of_row[r] == trace]
+        length = sum(counts[r] for r in members)
+        total += sum(sums[r] for r in members) / length if length else 0.0
+    return total / len(traces)
+
+
+def trace_arguments(mask, trace_of_row):
+    per_trace = torch.zeros(int(trace_of_row.max()) + 1).index_add_(0, trace_of_row, mask.sum(-1).float())
+    return {"trace_lengths": per_trace[trace_of_row], "num_traces": len(set(trace_of_row.tolist())),
+            "max_response_length": 10, "num_tokens": int(mask.sum())}
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_aggregate_loss_equals_loop(mode, seed):
+    loss, mask, trace_of_row = random_batch(seed)
+    kwargs = trace_arguments(mask, trace_of_row)
+    if mode == "token-mean":
+        del kwargs["num_tokens"]  # the default (this batch's own count) must equal the loop too
+    expected = loop_aggregate(loss, mask, mode, 10, trace_of_row)
+    assert aggregate_loss(loss, mask, mode, **kwargs).item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_microbatches_accumulate_to_the_big_batch_gradient(mode):
+    _, mask, trace_of_row = random_batch(3)
+    g = torch.Generator().manual_seed(4)
+    logp = (-torch.rand(mask.shape, generator=g) * 3).requires_grad_()
+    old = (logp.detach() + 0.3 * torch.randn(mask.shape, generator=g))
+    adv = torch.randn(mask.shape[0], 1, generator=g)
+    kwargs = trace_arguments(mask, trace_of_row)
+
+    def step(rows, accumulation_steps):
+        per_row = {k: v[rows] if k == "trace_lengths" else v for k, v in kwargs.items()}
+        loss, _ = grpo_microbatch_train_step(logp[rows], mask[rows], accumulation_steps, "grpo_clip",
+                                             None, adv[rows], old[rows], 0.2, loss_agg_mode=mode,
+                                             **per_row)
+        return loss.item()
+
+    big_loss = step(slice(None), 1)
+    big_grad = logp.grad.clone()
+    logp.grad = None
+    small_losses = [step(slice(i, i + 2), 4) for i in range(0, 8, 2)]  # traces straddle microbatches
+    assert sum(small_losses) == pytest.approx(big_loss, rel=1e-5)
+    torch.testing.assert_close(logp.grad, big_grad)
+    assert big_loss == pytest.approx(loop_aggregate(
+        compute_grpo_clip_loss(adv, logp.detach(), old, 0.2)[0], mask, mode, 10, trace_of_row), rel=1e-5)
+
+
+# ---- train steps ----------------------------------------------------------------------------------
+
+def test_sft_step_by_hand_and_accumulates():
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]], requires_grad=True)
+    mask = torch.tensor([[0, 1, 1], [1, 0, 0]])
+    loss, meta = sft_microbatch_train_step(logp, mask, gradient_accumulation_steps=3,
+                                           normalize_constant=2.0)
+    assert loss.item() == pytest.approx((2 + 3 + 4) / 2 / 2 / 3)
+    assert meta["num_response_tokens"] == 3
+    torch.testing.assert_close(logp.grad, -mask / (2.0 * 2 * 3))
+    sft_microbatch_train_step(logp, mask, 3, 2.0)
+    torch.testing.assert_close(logp.grad, -2 * mask / (2.0 * 2 * 3))
+
+
+def test_grpo_step_default_is_the_reference_and_accumulates():
+    adv, logp, old = clip_case()
+    logp.requires_grad_()
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    loss, meta = grpo_microbatch_train_step(logp, mask, 2, "grpo_clip", None, adv, old, 0.2)
+    per_token = torch.tensor([[-1.2, -0.5, -1.1], [1.5, 0.8, 1.1]])
+    reference = masked_mean(per_token, mask, dim=1).mean() / 2  # ((-1.7 / 2) + (1.9 / 2)) / 2 / 2
+    assert loss.item() == pytest.approx(reference.item()) == pytest.approx(0.025)
+    assert meta["clip_fraction"] == pytest.approx(2 / 4)  # tokens (0, 0) and (1, 1) are clipped
+    first = logp.grad.clone()
+    assert first[0, 0] == 0 and first[0, 2] == 0 and first[0, 1] != 0  # clipped and masked: no grad
+    grpo_microbatch_train_step(logp, mask, 2, "grpo_clip", None, adv, old, 0.2)
+    torch.testing.assert_close(logp.grad, 2 * first)
+
+
+def test_grpo_step_kl_penalty():
+    logp = torch.log(torch.tensor([[0.5, 0.2]])).requires_grad_()
+    ref = torch.log(torch.tensor([[0.25, 0.2]]))
+    rewards = torch.tensor([[0.0]])
+    mask = torch.tensor([[1, 1]])
+    kl0 = 0.5 + math.log(2) - 1
+    loss, meta = grpo_microbatch_train_step(logp, mask, 1, "no_baseline", rewards, ref_log_probs=ref)
+    assert loss.item() == 0.0 and meta["kl"] == pytest.approx(kl0 / 2)
+    loss, meta = grpo_microbatch_train_step(logp, mask, 1, "no_baseline", rewards, kl_coef=0.1,
+                                            ref_log_probs=ref)
+    assert loss.item() == pytest.approx(0.1 * kl0 / 2)
+    # d/dlogp [exp(ref - logp) - (ref - logp) - 1] = 1 - exp(ref - logp) = 0.5 on token 0
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.1 * 0.5 / 2, 0.0]]))
+    with pytest.raises(ValueError, match="ref_log_probs"):
+        grpo_microbatch_train_step(logp, mask, 1, "no_baseline", rewards, kl_coef=0.1)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_fully_masked_rows_give_no_nan(mode):
+    logp = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]], requires_grad=True)
+    mask = torch.tensor([[0, 0], [0, 0]])
+    loss, _ = grpo_microbatch_train_step(logp, mask, 1, "reinforce_with_baseline", None,
+                                         torch.tensor([[1.0], [-1.0]]), loss_agg_mode=mode,
+                                         max_response_length=2, trace_lengths=torch.tensor([0, 0]),
+                                         num_traces=2)
+    assert loss.item() == 0.0
+    assert torch.equal(logp.grad, torch.zeros_like(logp))
+
+
+@pytest.mark.parametrize("advantage", [1.5, -0.7])
+def test_no_baseline_gradient_matches_closed_form(advantage):
+    vocab, label = 7, 3
+    logits = torch.randn(1, 1, vocab, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    logp = torch.log_softmax(logits, dim=-1)[..., label]  # (1, 1)
+    grpo_microbatch_train_step(logp, torch.ones(1, 1), 1, "no_baseline", torch.tensor([[advantage]]))
+    onehot = torch.nn.functional.one_hot(torch.tensor(label), vocab).float()
+    expected = -advantage * (onehot - torch.softmax(logits.detach()[0, 0], dim=-1))
+    torch.testing.assert_close(logits.grad[0, 0], expected)

@@ -1,0 +1,70 @@
+"""Token-level helpers on the real SmolLM2 tokenizer and a tiny random model."""
+
+import math
+
+import pytest
+import torch
+
+from alignment.tokens import compute_entropy, get_response_log_probs, tokenize_prompt_and_output
+
+
+def test_tokenize_prompt_and_output_exact_ids(tokenizer):
+    prompts = ["What is 2+2? Answer:", "Hel"]
+    outputs = [" 4<|im_end|>", "lo"]
+    pieces = [(tokenizer.encode(p, add_special_tokens=False), tokenizer.encode(o, add_special_tokens=False))
+              for p, o in zip(prompts, outputs)]
+    # "Hel" + "lo" tokenized together is one token, so separate tokenization is observable
+    assert tokenizer.encode("Hello", add_special_tokens=False) != pieces[1][0] + pieces[1][1]
+    assert pieces[0][1][-1] == tokenizer.eos_token_id  # special tokens in the text are kept
+
+    out = tokenize_prompt_and_output(prompts, outputs, tokenizer)
+    assert set(out) == {"input_ids", "labels", "response_mask"}
+    length = max(len(p) + len(o) for p, o in pieces)
+    pad = tokenizer.pad_token_id
+    full = [p + o + [pad] * (length - len(p) - len(o)) for p, o in pieces]
+    is_output = [[0] * len(p) + [1] * len(o) + [0] * (length - len(p) - len(o)) for p, o in pieces]
+    assert out["input_ids"].tolist() == [row[:-1] for row in full]
+    assert out["labels"].tolist() == [row[1:] for row in full]
+    assert out["response_mask"].tolist() == [row[1:] for row in is_output]
+    assert out["input_ids"].dtype == torch.long and out["input_ids"].shape == (2, length - 1)
+    # the short row is padded on the right, and padding is not part of the response
+    short = min(range(2), key=lambda i: len(pieces[i][0]) + len(pieces[i][1]))
+    assert out["labels"][short, -1].item() == pad and out["response_mask"][short, -1].item() == 0
+
+
+def naive_entropy(logits):
+    probs = torch.softmax(logits.double(), dim=-1)
+    return -(probs * torch.log_softmax(logits.double(), dim=-1)).sum(-1)
+
+
+def test_compute_entropy_by_hand_and_stable():
+    uniform = torch.zeros(2, 3, 5)
+    torch.testing.assert_close(compute_entropy(uniform), torch.full((2, 3), math.log(5)))
+    peaked = torch.tensor([[1000.0, 0.0, 0.0], [0.0, -1000.0, -1000.0]])
+    torch.testing.assert_close(compute_entropy(peaked), torch.tensor([0.0, 0.0]))
+    logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0)) * 4
+    expected = naive_entropy(logits).float()
+    torch.testing.assert_close(compute_entropy(logits), expected)
+    torch.testing.assert_close(compute_entropy(logits, chunk_positions=2), expected)
+
+
+def test_get_response_log_probs_matches_naive(tiny_model, tokenizer):
+    batch = tokenize_prompt_and_output(["Compute 1+1.", "Hi"], [" 2", " there, friend"], tokenizer)
+    out = get_response_log_probs(tiny_model, batch["input_ids"], batch["labels"],
+                                 return_token_entropy=True)
+    logits = tiny_model(batch["input_ids"]).logits.detach()
+    expected = torch.log_softmax(logits, dim=-1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+    assert set(out) == {"log_probs", "token_entropy"}
+    torch.testing.assert_close(out["log_probs"].detach(), expected)
+    torch.testing.assert_close(out["token_entropy"], naive_entropy(logits).float())
+    assert out["log_probs"].shape == batch["labels"].shape
+    assert 0 < out["token_entropy"].min() and out["token_entropy"].max() <= math.log(len(tokenizer)) + 1e-4
+
+    out["log_probs"].sum().backward()  # log-probs carry gradient to the model
+    assert tiny_model.model.embed_tokens.weight.grad.abs().sum() > 0
+    assert set(get_response_log_probs(tiny_model, batch["input_ids"], batch["labels"])) == {"log_probs"}
+
+
+def test_tokenize_rejects_mismatched_lists(tokenizer):
+    with pytest.raises(ValueError, match="2 prompts but 1 outputs"):
+        tokenize_prompt_and_output(["a", "b"], ["c"], tokenizer)
