@@ -31,7 +31,31 @@ def to_dict(args) -> dict:
 
 
 @dataclass
-class EvalArgs:
+class RolloutArgs:
+    """Options of the rollout modes, shared by evaluation and RL (each mode reads only its own)."""
+
+    rollout_mode: str = arg("standard", "standard (one long chain of thought), delethink (chunked, Markovian) or tir (tool-integrated)")
+    delethink_chunk_size: int = arg(8192, "delethink: new tokens in the first chunk (C)")
+    delethink_carryover: int | None = arg(None, "delethink: tokens carried into the next chunk (m; default C/2); later chunks get C - m new tokens")
+    delethink_keep_head: int = arg(100, "delethink: tokens from the start of the first chunk kept in every carryover")
+    delethink_max_turns: int = arg(5, "delethink: most chunks per trace (I)")
+    max_tool_calls: int = arg(1, "tir: most code executions per response (C; ToRL uses 1)")
+    tool_timeout: float = arg(5.0, "tir: seconds one code execution may run")
+    mask_observations: bool = arg(True, "tir: give tool output tokens loss mask 0 (--no_mask_observations for the ablation)")
+    tir_reward_scheme: str = arg("plus_minus_one", "tir: plus_minus_one (+1 right, -1 wrong, as ToRL) or zero_one")
+    exec_penalty: float = arg(0.0, "tir: reward subtracted from a response whose code failed to run (ToRL ablation: 0.5)")
+
+    def check_rollout(self):
+        if self.rollout_mode not in ("standard", "delethink", "tir"):
+            raise ValueError(f"--rollout_mode {self.rollout_mode!r} is not one of standard, delethink, tir.")
+        carryover = self.delethink_carryover if self.delethink_carryover is not None else self.delethink_chunk_size // 2
+        if not self.delethink_keep_head <= carryover < self.delethink_chunk_size:
+            raise ValueError("delethink needs keep_head <= carryover < chunk_size; lower --delethink_keep_head "
+                             "or --delethink_carryover, or raise --delethink_chunk_size.")
+
+
+@dataclass
+class EvalArgs(RolloutArgs):
     """Measure a model on GSM8K or a MATH-style set: format, answer and overall reward; pass@k, maj@k."""
 
     model: str = arg("smollm2-135m", "hub id, local HF folder (e.g. checkpoints/math_sft) or smollm2-135m (packaged, offline)")
@@ -52,6 +76,7 @@ class EvalArgs:
     output_dir: str | None = arg(None, "where to write results.jsonl and summary.json (default outputs/eval/<model>-<dataset>-<time>)")
 
     def check(self):
+        self.check_rollout()
         if self.n_samples < 1:
             raise ValueError("--n_samples must be at least 1.")
         if self.n_samples > 1 and self.temperature == 0:

@@ -9,6 +9,7 @@ With `--n_samples k` (and a temperature above 0) it also reports pass@k (some sa
 `evaluate(...)` is the reusable core that SFT and RL call for periodic evaluation.
 """
 
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -16,10 +17,14 @@ from pathlib import Path
 
 import torch
 
-from alignment import data, models
+from alignment import data, models, rollout
 from alignment.args import EvalArgs, parse, to_dict
 from alignment.drgrpo_grader import extract_boxed, extract_last_number, normalize, question_only_reward_fn, r1_zero_reward_fn
+from alignment.rollout import traces
 from alignment.sampling import SamplingParams, make_sampler, pick_backend
+
+# rollout mode -> its generate function; picked once, by name
+ROLLOUT_MODES = {"standard": rollout.generate}
 
 # prompt template -> (reward function, stop strings). r1_zero stops at `</answer>` as in the reference.
 PROMPT_SETTINGS = {
@@ -50,26 +55,24 @@ def extract_answer(response: str, prompt_name: str) -> str | None:
 
 
 def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: SamplingParams | None = None,
-             chat_template: bool = False, progress: bool = True) -> tuple[dict, list[dict]]:
-    """Generate for every row, grade, and return (summary metrics, one record per completion)."""
+             chat_template: bool = False, rollout_mode: str = "standard", mode_args=None) -> tuple[dict, list[dict]]:
+    """Generate for every row with the given rollout mode, grade each trace, and return (summary, records)."""
     reward_fn, stop = PROMPT_SETTINGS[prompt_name]
     params = params or SamplingParams(temperature=0.0, max_tokens=256)
-    params = SamplingParams(**{**params.__dict__, "stop": tuple(params.stop) or stop})
+    params = dataclasses.replace(params, stop=tuple(params.stop) or stop)
     texts, prompt_ids = build_prompts(tokenizer, rows, prompt_name, chat_template)
     start = time.perf_counter()
-    outputs = sampler.generate(prompt_ids, params, progress=progress)
+    all_traces = traces(ROLLOUT_MODES[rollout_mode](sampler, tokenizer, prompt_ids, params, mode_args))
     seconds = time.perf_counter() - start
-    records, correct_per_problem, majority_correct = [], [], []
-    for row, prompt, completions in zip(rows, texts, outputs):
-        graded = []
-        for sample, completion in enumerate(completions):
-            rewards = reward_fn(completion.text, row["answer"])
-            graded.append(rewards)
-            records.append({"prompt": prompt, "response": completion.text, "ground_truth": row["answer"],
-                            "sample": sample, "n_tokens": len(completion.token_ids),
-                            "finish_reason": completion.finish_reason, **rewards})
-        correct_per_problem.append(any(g["reward"] == 1 for g in graded))
-        majority_correct.append(_majority_is_correct(completions, graded, prompt_name))
+    records = []
+    for trace in all_traces:
+        last = trace[-1]
+        rewards = reward_fn(last.text, rows[last.group_id]["answer"])
+        records.append({"prompt": texts[last.group_id], "response": last.text,
+                        "ground_truth": rows[last.group_id]["answer"], "problem": last.group_id,
+                        "sample": last.trace_id - last.group_id * params.n,
+                        "n_tokens": sum(sum(r.loss_mask) for r in trace), "n_rows": len(trace),
+                        "finish_reason": last.finish_reason, "stats": last.stats, **rewards})
     n_tokens = sum(r["n_tokens"] for r in records)
     summary = {
         "count": len(rows),
@@ -81,22 +84,25 @@ def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: Sam
         "tokens_per_s": n_tokens / max(seconds, 1e-9),
         "generation_s": seconds,
     }
+    for key in sorted({k for r in records for k, v in r["stats"].items() if isinstance(v, (int, float))}):
+        summary[f"mean_{key}"] = _mean(r["stats"].get(key, 0) for r in records)
     if params.n > 1:
-        summary[f"pass@{params.n}"] = _mean(correct_per_problem)
-        summary[f"maj@{params.n}"] = _mean(majority_correct)
+        by_problem = [records[i:i + params.n] for i in range(0, len(records), params.n)]
+        summary[f"pass@{params.n}"] = _mean(any(r["reward"] == 1 for r in group) for group in by_problem)
+        summary[f"maj@{params.n}"] = _mean(_majority_is_correct(group, prompt_name) for group in by_problem)
     return summary, records
 
 
-def _majority_is_correct(completions, graded, prompt_name) -> bool:
-    votes = Counter()
-    correct_by_answer = {}
-    for completion, rewards in zip(completions, graded):
-        answer = extract_answer(completion.text, prompt_name)
+def _majority_is_correct(records, prompt_name) -> bool:
+    """maj@k: the most common extracted answer (compared after normalisation) is the right one."""
+    votes, correct_by_answer = Counter(), {}
+    for record in records:
+        answer = extract_answer(record["response"], prompt_name)
         if answer is None:
             continue
         key = normalize(answer)
         votes[key] += 1
-        correct_by_answer[key] = correct_by_answer.get(key, False) or rewards["reward"] == 1
+        correct_by_answer[key] = correct_by_answer.get(key, False) or record["reward"] == 1
     return bool(votes) and correct_by_answer[votes.most_common(1)[0][0]]
 
 
@@ -119,10 +125,11 @@ def main(args: EvalArgs) -> dict:
     tokenizer = models.load_tokenizer(args.model)
     model = models.load_model(args.model, device) if backend == "hf" else None
     sampler = make_sampler(backend, model, tokenizer, models.resolve_model(args.model), device,
-                           batch_size=args.batch_size, seed=args.seed)
+                           batch_size=args.batch_size, seed=args.seed, progress=True)
     params = SamplingParams(n=args.n_samples, temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)
-    summary, records = evaluate(sampler, tokenizer, subset, args.prompt, params, args.chat_template)
+    summary, records = evaluate(sampler, tokenizer, subset, args.prompt, params, args.chat_template,
+                                args.rollout_mode, mode_args=args)
     out = Path(args.output_dir or f"outputs/eval/{Path(args.model).name}-{args.dataset}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.jsonl", "w") as f:

@@ -61,8 +61,8 @@ def _vllm_installed() -> bool:
 
 
 class HFSampler:
-    def __init__(self, model, tokenizer, batch_size: int = 32):
-        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+    def __init__(self, model, tokenizer, batch_size: int = 32, progress: bool = False):
+        self.model, self.tokenizer, self.batch_size, self.progress = model, tokenizer, batch_size, progress
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_ids = sorted(set(eos) | {tokenizer.eos_token_id})
@@ -72,8 +72,7 @@ class HFSampler:
         self.model.load_state_dict(state_dict)
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
-                 progress: bool = False) -> list[list[Completion]]:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """Return, for each prompt, a list of `params.n` completions."""
         device = self.model.device
         generator = torch.Generator(device=device)
@@ -81,7 +80,7 @@ class HFSampler:
         order = sorted(range(len(prompt_token_ids)), key=lambda i: len(prompt_token_ids[i]))
         per_chunk = max(1, self.batch_size // params.n)  # prompts per forward batch
         results: dict[int, list[Completion]] = {}
-        bar = tqdm(total=len(order), desc="generating", unit="prompt", disable=not progress, leave=False)
+        bar = tqdm(total=len(order), desc="generating", unit="prompt", disable=not self.progress, leave=False)
         for start in range(0, len(order), per_chunk):
             chunk = order[start:start + per_chunk]
             outs = self._generate_batch([prompt_token_ids[i] for i in chunk], params, generator)
@@ -178,10 +177,11 @@ class VLLMSampler:
     """vLLM on one GPU. Needs `uv sync --extra vllm`; not exercised on the CPU-only CI machines."""
 
     def __init__(self, model_path: str, device: str = "cuda", gpu_memory_utilization: float = 0.85,
-                 max_model_len: int | None = None, seed: int = 0, dtype: str = "bfloat16"):
+                 max_model_len: int | None = None, seed: int = 0, dtype: str = "bfloat16", progress: bool = False):
         # The engine runs in this process so that weights can be pushed into it without an RPC layer,
         # and is pinned to its GPU by making that GPU the current device before it starts.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.progress = progress
         from vllm import LLM
         torch.cuda.set_device(torch.device(device))
         self.llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
@@ -197,22 +197,23 @@ class VLLMSampler:
         worker.model_runner.model.load_weights(state_dict.items())
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
-    def generate(self, prompt_token_ids, params: SamplingParams, progress: bool = False):
+    def generate(self, prompt_token_ids, params: SamplingParams):
         from vllm import SamplingParams as VParams
         from vllm.inputs import TokensPrompt
         vparams = VParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
                           max_tokens=params.max_tokens, min_tokens=params.min_tokens, stop=list(params.stop),
                           include_stop_str_in_output=True, seed=params.seed)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids],
-                                    vparams, use_tqdm=progress)
+                                    vparams, use_tqdm=self.progress)
         return [[Completion(token_ids=list(o.token_ids), text=o.text, finish_reason=o.finish_reason,
                             stop_reason=o.stop_reason if isinstance(o.stop_reason, str) else None)
                  for o in out.outputs] for out in outputs]
 
 
 def make_sampler(backend: str, model, tokenizer, model_path: str | None = None, device: str = "cpu",
-                 batch_size: int = 32, seed: int = 0, gpu_memory_utilization: float = 0.85):
+                 batch_size: int = 32, seed: int = 0, gpu_memory_utilization: float = 0.85, progress: bool = False):
     """`backend` is already resolved by pick_backend (hf or vllm)."""
     if backend == "vllm":
-        return VLLMSampler(model_path, device, gpu_memory_utilization=gpu_memory_utilization, seed=seed)
-    return HFSampler(model, tokenizer, batch_size=batch_size)
+        return VLLMSampler(model_path, device, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                           progress=progress)
+    return HFSampler(model, tokenizer, batch_size=batch_size, progress=progress)
