@@ -32,8 +32,7 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
         for k, completion in enumerate(completions):
             rollouts.append(Rollout(prompt_ids=list(prompt), response_ids=list(completion.token_ids),
                                     loss_mask=[1] * len(completion.token_ids), trace_id=group_id * params.n + k,
-                                    group_id=group_id, text=completion.text, finish_reason=completion.finish_reason,
-                                    ))
+                                    group_id=group_id, text=completion.text, finish_reason=completion.finish_reason))
     return rollouts
 
 
