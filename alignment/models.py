@@ -131,3 +131,61 @@ def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None =
     os.replace(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+# ----------------------------------------------------------------------------- device roles
+
+
+def assign_device_roles(devices: list[str], sample: str | None = None, reference: str | None = None,
+                        eval: str | None = None) -> dict:
+    """Who runs where: {"policy": [devices], "sample": d, "reference": d, "eval": d}.
+
+    The seed's layout: with 4+ GPUs the sampler, the frozen reference/old-policy model and evaluation
+    each get their own GPU (the last three) and the policy is split over every other GPU; with fewer
+    GPUs the roles share (2: policy on the first, the rest on the second; 1 or CPU only: all together).
+    Explicit choices win; the policy takes every GPU no role was given.
+    """
+    gpus = [d for d in devices if d.startswith("cuda")]
+    for name, choice in (("sample", sample), ("reference", reference), ("eval", eval)):
+        if choice is not None and choice not in devices:
+            raise ValueError(f"--{name}_device {choice!r} does not exist here; available: {', '.join(devices)}.")
+    if not gpus:
+        defaults = {"sample": "cpu", "reference": "cpu", "eval": "cpu"}
+    elif len(gpus) == 1:
+        defaults = dict.fromkeys(("sample", "reference", "eval"), gpus[0])
+    elif len(gpus) == 2:
+        defaults = dict.fromkeys(("sample", "reference", "eval"), gpus[1])
+    elif len(gpus) == 3:
+        defaults = {"sample": gpus[1], "reference": gpus[2], "eval": gpus[2]}
+    else:
+        defaults = {"sample": gpus[-3], "reference": gpus[-2], "eval": gpus[-1]}
+    roles = {"sample": sample or defaults["sample"], "reference": reference or defaults["reference"],
+             "eval": eval or defaults["eval"]}
+    taken = set(roles.values())
+    policy = [g for g in gpus if g not in taken] or [gpus[0] if gpus else "cpu"]
+    return {"policy": policy, **roles}
+
+
+def partition_layers(num_layers: int, devices: list[str], prefix: str = "model") -> dict:
+    """A hand-built device_map: embeddings, final norm and lm_head on the first policy device, decoder
+    layers in even contiguous blocks over the others (over the only one when there is one)."""
+    first, rest = devices[0], (devices[1:] or devices[:1])
+    device_map = {f"{prefix}.embed_tokens": first, f"{prefix}.norm": first, f"{prefix}.rotary_emb": first,
+                  "lm_head": first}
+    per_device, extra = divmod(num_layers, len(rest))
+    layer = 0
+    for i, device in enumerate(rest):
+        for _ in range(per_device + (i < extra)):
+            device_map[f"{prefix}.layers.{layer}"] = device
+            layer += 1
+    return device_map
+
+
+def load_policy_model(name: str, policy_devices: list[str], dtype: torch.dtype | None = None):
+    """The trainable policy: on one device, or split layer-wise over several GPUs."""
+    if len(policy_devices) == 1:
+        return load_model(name, policy_devices[0], dtype)
+    from transformers import AutoConfig
+    num_layers = AutoConfig.from_pretrained(resolve_model(name)).num_hidden_layers
+    device_map = partition_layers(num_layers, policy_devices)
+    return load_model(name, policy_devices[0], dtype, device_map=device_map)
