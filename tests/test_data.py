@@ -1,0 +1,94 @@
+"""Data loading, error messages, the GSM8K download path (against a local HTTP server) and prompts."""
+
+import functools
+import http.server
+import json
+import threading
+
+import pytest
+
+from alignment import data
+
+
+def test_gsm8k_rows_have_question_gold_and_solution(data_dir):
+    rows = data.load_gsm8k("test", str(data_dir))
+    assert len(rows) == 1319
+    assert rows[0]["answer"] == "18" and rows[0]["solution"].endswith("#### 18")
+    assert len(data.load_dataset("gsm8k", "train", str(data_dir))) == 7473
+
+
+@pytest.mark.parametrize("name,count", [("math500", 500), ("aime24", 30), ("aime25", 30), ("amc23", 40),
+                                        ("olympiadbench", 675)])
+def test_math_style_sets(data_dir, name, count):
+    rows = data.load_dataset(name, "test", str(data_dir))
+    assert len(rows) == count and all(r["question"] and isinstance(r["answer"], str) for r in rows)
+
+
+def test_data_dir_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv("ALIGNMENT_DATA_DIR", str(tmp_path / "env"))
+    assert data.resolve_data_dir("given") == data.Path("given")
+    assert data.resolve_data_dir() == tmp_path / "env"
+    monkeypatch.delenv("ALIGNMENT_DATA_DIR")
+    assert data.resolve_data_dir() == data.REPO_ROOT / "dataset"
+
+
+def test_malformed_file_names_file_and_line(tmp_path):
+    (tmp_path / "math500").mkdir()
+    path = tmp_path / "math500" / "test.jsonl"
+    path.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "oops"\n')
+    with pytest.raises(ValueError, match=r"test.jsonl:2 is not valid JSON"):
+        data.load_dataset("math500", data_dir=str(tmp_path))
+    path.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "no answer"}\n')
+    with pytest.raises(ValueError, match=r"test.jsonl:2 lacks field\(s\) answer"):
+        data.load_dataset("math500", data_dir=str(tmp_path))
+
+
+def test_missing_files_say_what_to_do(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="aime24 test.jsonl"):
+        data.load_dataset("aime24", data_dir=str(tmp_path))
+    monkeypatch.setenv("ALIGNMENT_GSM8K_URL", "http://127.0.0.1:9/nothing")  # nothing listens on port 9
+    with pytest.raises(FileNotFoundError, match="could not download .* copy GSM8K"):
+        data.load_gsm8k("test", str(tmp_path))
+    with pytest.raises(ValueError, match="unknown dataset"):
+        data.load_dataset("mmlu", data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="only a test split"):
+        data.load_dataset("math500", "train", str(tmp_path))
+
+
+@pytest.fixture
+def gsm8k_server(tmp_path):
+    served = tmp_path / "served"
+    served.mkdir()
+    for split in ("train", "test"):
+        rows = [{"question": f"{split} q{i}", "answer": f"work <<1+1=2>>2\n#### {i}"} for i in range(3)]
+        (served / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_download_on_first_use_from_a_local_server(gsm8k_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("ALIGNMENT_GSM8K_URL", gsm8k_server)
+    rows = data.load_gsm8k("test", str(tmp_path / "data"))  # files missing: fetched on first use
+    assert [r["answer"] for r in rows] == ["0", "1", "2"] and rows[0]["question"] == "test q0"
+    assert (tmp_path / "data" / "gsm8k" / "train.jsonl").exists()
+    assert not list((tmp_path / "data" / "gsm8k").glob("*.tmp"))
+
+
+def test_download_command(gsm8k_server, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ALIGNMENT_GSM8K_URL", gsm8k_server)
+    data.main(["download", "gsm8k", "--data_dir", str(tmp_path)])
+    assert "test.jsonl: 3 rows" in capsys.readouterr().out
+
+
+def test_prompts():
+    r1 = data.load_prompt("r1_zero")
+    assert r1.endswith("Assistant: <think>") and "{question}" in r1
+    filled = data.format_prompt(r1, "What is {x} in \\frac{1}{2}?")
+    assert "User: What is {x} in \\frac{1}{2}?\nAssistant: <think>" in filled
+    assert "\\boxed{}" in data.load_prompt("question_only")
+    with pytest.raises(ValueError, match="unknown prompt 'nope'; choose one of .*r1_zero"):
+        data.load_prompt("nope")

@@ -1,0 +1,136 @@
+"""HF sampling backend on tiny random models and on a scripted successor model."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from alignment.sampling import HFSampler, SamplingParams, pick_backend, sample_next
+
+
+class ScriptedLM(torch.nn.Module):
+    """Predicts script[position + 1] (EOS past its end): a model whose output we know token by token."""
+
+    def __init__(self, script: list[int], vocab_size: int, eos_id: int):
+        super().__init__()
+        self.script, self.vocab_size, self.eos_id = script, vocab_size, eos_id
+        self.generation_config = GenerationConfig(eos_token_id=eos_id)
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    @property
+    def device(self):
+        return self.anchor.device
+
+    def forward(self, input_ids, position_ids, logits_to_keep=None, **kwargs):
+        logits = torch.zeros(*input_ids.shape, self.vocab_size)
+        for b, row in enumerate(position_ids.tolist()):
+            for t, position in enumerate(row):
+                nxt = position + 1
+                logits[b, t, self.script[nxt] if nxt < len(self.script) else self.eos_id] = 10.0
+        return type("Out", (), {"logits": logits})()
+
+
+@pytest.fixture
+def chain(tokenizer):
+    """Token ids of a known text, and a model that continues it token by token, then emits EOS."""
+    ids = tokenizer("Sum: 2 plus 3. The answer is 5.</answer> trailing words", add_special_tokens=False).input_ids
+    model = ScriptedLM(ids, len(tokenizer), tokenizer.eos_token_id)
+    return ids, HFSampler(model, tokenizer, batch_size=8)
+
+
+def test_greedy_batch_matches_unbatched_hf_generate(tiny_model, tokenizer):
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids
+               for t in ["Hello there", "A much longer prompt with many more tokens in it", "x"]]
+    outputs = HFSampler(tiny_model, tokenizer, batch_size=8).generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    for prompt, [completion] in zip(prompts, outputs):
+        reference = tiny_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        expected = reference[0, len(prompt):].tolist()
+        assert completion.token_ids == expected[:len(completion.token_ids)]
+        assert len(completion.token_ids) == 12 or completion.token_ids[-1] == tokenizer.eos_token_id
+
+
+def test_n_samples_per_prompt_and_seed(tiny_model, tokenizer):
+    sampler = HFSampler(tiny_model, tokenizer, batch_size=4)  # 2 prompts x 3 samples: two forward batches
+    prompts = [[1, 2, 3], [4, 5]]
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=7)
+    first, again = sampler.generate(prompts, params), sampler.generate(prompts, params)
+    assert [len(c) for c in first] == [3, 3]
+    assert [[c.token_ids for c in p] for p in first] == [[c.token_ids for c in p] for p in again]
+    assert len({tuple(c.token_ids) for c in first[0]}) > 1  # samples of one prompt differ
+    other = sampler.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=8))
+    assert [[c.token_ids for c in p] for p in other] != [[c.token_ids for c in p] for p in first]
+
+
+def test_max_tokens_respected(tiny_model, tokenizer):
+    [[completion]] = HFSampler(tiny_model, tokenizer).generate([[1, 2]], SamplingParams(temperature=1.0, max_tokens=5, seed=0))
+    assert len(completion.token_ids) <= 5
+    if len(completion.token_ids) == 5 and completion.token_ids[-1] != tokenizer.eos_token_id:
+        assert completion.finish_reason == "length"
+
+
+def test_stop_string_ends_and_is_kept(chain, tokenizer):
+    ids, sampler = chain
+    [[completion]] = sampler.generate([ids[:2]], SamplingParams(temperature=0, max_tokens=50, stop=("</answer>",)))
+    assert completion.finish_reason == "stop" and completion.stop_reason == "</answer>"
+    assert completion.text.endswith("</answer>")
+    assert tokenizer.decode(ids[:2]) + completion.text == "Sum: 2 plus 3. The answer is 5.</answer>"
+    assert "trailing" not in tokenizer.decode(completion.token_ids)
+
+
+def test_eos_ends_with_id_kept_and_text_clean(chain, tokenizer):
+    ids, sampler = chain
+    [[completion]] = sampler.generate([ids[:2]], SamplingParams(temperature=0, max_tokens=50))
+    assert completion.token_ids == ids[2:] + [tokenizer.eos_token_id]
+    assert completion.finish_reason == "stop" and completion.stop_reason is None
+    assert completion.text.endswith("trailing words")
+
+
+def test_length_stop_and_min_tokens(chain, tokenizer):
+    ids, sampler = chain
+    [[short]] = sampler.generate([ids[:2]], SamplingParams(temperature=0, max_tokens=3))
+    assert short.token_ids == ids[2:5] and short.finish_reason == "length"
+    remaining = len(ids) - 2
+    [[longer]] = sampler.generate([ids[:2]], SamplingParams(temperature=0, max_tokens=remaining + 4,
+                                                             min_tokens=remaining + 2))
+    assert tokenizer.eos_token_id not in longer.token_ids[:remaining + 2]
+    assert len(longer.token_ids) >= remaining + 2
+
+
+def test_stop_strings_wait_for_min_tokens(chain, tokenizer):
+    ids, sampler = chain
+    [[completion]] = sampler.generate([ids[:2]], SamplingParams(temperature=0, max_tokens=60, stop=("plus", "."), min_tokens=3))
+    # "plus" falls within the first 3 tokens and is ignored; the first "." after them stops generation
+    assert completion.stop_reason == "." and completion.text.endswith("3.")
+
+
+def test_temperature_zero_is_argmax_and_top_p_keeps_the_top_token():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]])
+    generator = torch.Generator().manual_seed(0)
+    assert sample_next(logits, 0.0, 1.0, generator).tolist() == [1, 0]
+    # a tiny nucleus keeps only the most likely token, so sampling becomes deterministic
+    for _ in range(20):
+        assert sample_next(logits, 1.0, 0.01, generator).tolist() == [1, 0]
+
+
+def test_backend_choice_on_cpu():
+    assert pick_backend("auto", "cpu") == "hf"
+    with pytest.raises(ValueError, match="CUDA"):
+        pick_backend("vllm", "cpu")
+
+
+def test_finished_rows_leave_the_batch_without_disturbing_the_others(tiny_model, tokenizer):
+    # untie the output layer: with tied embeddings a random model greedily repeats its last token
+    tiny_model.lm_head.weight = torch.nn.Parameter(torch.randn_like(tiny_model.lm_head.weight))
+    sampler = HFSampler(tiny_model, tokenizer, batch_size=8)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    free = sampler.generate(prompts, SamplingParams(temperature=0, max_tokens=10))
+    row0 = free[0][0].token_ids
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    # row 0 will stop at its first token whose text is new: a stop string made of that text
+    k = next(k for k in range(1, 8) if decode(row0[k:k + 1]).strip() and decode(row0[k:k + 1]) not in decode(row0[:k]))
+    stop = decode(row0[k:k + 1])
+    stopped = sampler.generate(prompts, SamplingParams(temperature=0, max_tokens=10, stop=(stop,)))
+    assert len(stopped[0][0].token_ids) == k + 1 and stopped[0][0].stop_reason == stop
+    for [a], [b] in zip(free, stopped):
+        assert a.token_ids[:len(b.token_ids)] == b.token_ids  # same greedy path, cut at the stop
+    assert any(len(c.token_ids) > k + 1 for [c] in stopped[1:])  # others kept going after row 0 left
