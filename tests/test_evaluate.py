@@ -1,0 +1,70 @@
+"""End-to-end evaluation: real generations from a tiny model, metrics recomputed from what was written."""
+
+import json
+
+import pytest
+
+from alignment import evaluate as ev
+from alignment.args import EvalArgs, parse
+from alignment.drgrpo_grader import r1_zero_reward_fn
+from alignment.sampling import Completion, HFSampler, SamplingParams
+
+
+def test_main_writes_records_and_a_summary_computed_from_them(tiny_model_dir, data_dir, tmp_path):
+    args = EvalArgs(model=tiny_model_dir, data_dir=str(data_dir), limit=3, n_samples=2, temperature=1.0,
+                    max_tokens=8, output_dir=str(tmp_path / "out"))
+    summary = ev.main(args)
+    records = [json.loads(line) for line in open(tmp_path / "out" / "results.jsonl")]
+    assert len(records) == 6 and summary["count"] == 3
+    saved = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert saved["config"]["model"] == tiny_model_dir
+    for record in records:  # every record holds a real generation, graded by the real grader
+        assert 1 <= record["n_tokens"] <= 8
+        assert {k: record[k] for k in ("format_reward", "answer_reward", "reward")} == \
+            r1_zero_reward_fn(record["response"], record["ground_truth"])
+    assert summary["avg_all_rewards"] == sum(r["reward"] for r in records) / 6
+    assert summary["mean_response_tokens"] == sum(r["n_tokens"] for r in records) / 6
+    assert "pass@2" in summary and "maj@2" in summary
+
+
+class CannedSampler:
+    """Returns fixed completion texts, to check the metrics arithmetic."""
+
+    def __init__(self, texts_per_prompt):
+        self.texts_per_prompt = texts_per_prompt
+
+    def generate(self, prompt_ids, params):
+        return [[Completion(token_ids=[1] * 3, text=t, finish_reason="stop") for t in texts]
+                for texts in self.texts_per_prompt[:len(prompt_ids)]]
+
+
+def test_pass_at_k_and_majority_vote(tokenizer):
+    ok, wrong, unformatted = " x </think> <answer> 18 </answer>", " x </think> <answer> 20 </answer>", "no tags"
+    sampler = CannedSampler([[ok, wrong, wrong],  # right once, majority wrong
+                             [ok, " y </think> <answer> \\boxed{18} </answer>", wrong],  # majority right
+                             [unformatted] * 3])  # nothing to vote on
+    rows = [{"question": "q", "answer": "18"}] * 3
+    summary, records = ev.evaluate(sampler, tokenizer, rows, "r1_zero", SamplingParams(n=3, temperature=1.0))
+    assert summary["pass@3"] == pytest.approx(2 / 3) and summary["maj@3"] == pytest.approx(1 / 3)
+    assert summary["avg_format_rewards"] == pytest.approx(6 / 9)
+    assert summary["avg_all_rewards"] == pytest.approx(3 / 9)
+    assert [r["sample"] for r in records[:3]] == [0, 1, 2] and records[4]["problem"] == 1
+
+
+def test_question_only_prompt_and_chat_template(tiny_model, tokenizer):
+    rows = [{"question": "What is 1+1?", "answer": "2"}]
+    texts, ids = ev.build_prompts(tokenizer, rows, "question_only", chat_template=True)
+    assert texts[0].startswith("<|im_start|>system") and texts[0].endswith("<|im_start|>assistant\n")
+    summary, _ = ev.evaluate(HFSampler(tiny_model, tokenizer), tokenizer, rows, "question_only",
+                             SamplingParams(temperature=0, max_tokens=4), chat_template=True)
+    assert summary["count"] == 1 and summary["mean_response_tokens"] <= 4
+
+
+def test_bad_flags_fail_with_a_sentence(capsys):
+    with pytest.raises(SystemExit):
+        parse(EvalArgs, ["--n_samples", "4"])
+    assert "--temperature" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(EvalArgs, ["--limit", "-1"])
+    with pytest.raises(ValueError, match="does not exist here; available: cpu"):
+        ev.main(EvalArgs(device="cuda:3", limit=1))
