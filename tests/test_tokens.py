@@ -68,3 +68,30 @@ def test_get_response_log_probs_matches_naive(tiny_model, tokenizer):
 def test_tokenize_rejects_mismatched_lists(tokenizer):
     with pytest.raises(ValueError, match="2 prompts but 1 outputs"):
         tokenize_prompt_and_output(["a", "b"], ["c"], tokenizer)
+
+
+def test_rollout_log_probs_match_full_sequence_log_probs_and_gradients(tokenizer):
+    from conftest import build_tiny_model
+
+    from alignment.tokens import get_response_log_probs, rollout_log_probs
+    prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10], [5, 6, 7, 8]]  # rows 0, 1, 3 share a prompt
+    responses = [[11, 12, 13], [14, 15, 16, 17, 18], [19], [20, 21]]
+    fast_model, slow_model = build_tiny_model(tokenizer, seed=3), build_tiny_model(tokenizer, seed=3)
+    fast = rollout_log_probs(fast_model, prompts, responses, return_token_entropy=True)
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    ids = torch.full((4, width), tokenizer.pad_token_id)
+    mask = torch.zeros(4, width - 1)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        mask[i, len(p) - 1:len(p) + len(r) - 1] = 1
+    slow = get_response_log_probs(slow_model, ids[:, :-1], ids[:, 1:], return_token_entropy=True)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        expected = slow["log_probs"][i, len(p) - 1:len(p) + len(r) - 1]
+        torch.testing.assert_close(fast["log_probs"][i, :len(r)], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fast["token_entropy"][i, :len(r)],
+                                   slow["token_entropy"][i, len(p) - 1:len(p) + len(r) - 1], atol=1e-5, rtol=1e-5)
+        assert (fast["log_probs"][i, len(r):] == 0).all()
+    fast["log_probs"].sum().backward()
+    (slow["log_probs"] * mask).sum().backward()
+    for (name, a), b in zip(fast_model.named_parameters(), slow_model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4, msg=name)
