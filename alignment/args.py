@@ -88,3 +88,80 @@ class EvalArgs(RolloutArgs):
             raise ValueError("--top_p must be in (0, 1].")
         if self.max_tokens < 1:
             raise ValueError("--max_tokens must be positive.")
+
+
+@dataclass
+class RLArgs(RolloutArgs):
+    """Policy-gradient RL (REINFORCE, REINFORCE with a group baseline, GRPO-clip) on math questions."""
+
+    model: str | None = arg(None, "policy to start from (default checkpoints/math_sft if it exists, else smollm2-135m)")
+    dataset: str = arg("rg:chain_sum", "training questions: gsm8k, a MATH-style set, or rg:<reasoning-gym task>")
+    eval_dataset: str | None = arg(None, "evaluation set (default: the test split of --dataset)")
+    data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
+    rg_size: int = arg(2000, "problems generated for an rg: dataset")
+    prompt: str = arg("r1_zero", "prompt template (r1_zero, question_only, tir); picks the reward function")
+    chat_template: bool = arg(False, "wrap the filled prompt in the tokenizer's chat template")
+    loss_type: str = arg("grpo_clip", "no_baseline, reinforce_with_baseline or grpo_clip")
+    group_size: int = arg(4, "responses sampled per question (the group that shares a baseline)")
+    rollout_batch_size: int = arg(32, "responses per RL step (questions per step = this / group_size)")
+    train_batch_size: int = arg(32, "responses per optimizer step; rollout_batch_size / this = optimizer steps per epoch")
+    train_mini_batch_size: int = arg(8, "rows per forward/backward (microbatch); gradient accumulation = train_batch_size / this")
+    epochs_per_rollout_batch: int = arg(1, "passes over each rollout batch (more than 1 is off-policy: needs grpo_clip)")
+    cliprange: float = arg(0.2, "GRPO-clip epsilon (lower side, and upper side unless --cliprange_high)")
+    cliprange_high: float | None = arg(None, "upper clip epsilon for clip-higher (DAPO uses 0.28)")
+    use_std_normalization: bool = arg(False, "divide advantages by the group std (GRPO); off as Dr. GRPO recommends")
+    advantage_eps: float = arg(1e-6, "added to the group std before dividing")
+    loss_agg_mode: str = arg("seq-mean-token-mean", "seq-mean-token-mean, token-mean, seq-mean-token-sum-norm or trace-length")
+    kl_coef: float = arg(0.0, "k3 KL penalty to the frozen starting policy (0: no reference model is loaded)")
+    filter_low: float | None = arg(None, "dynamic sampling: drop groups whose accuracy is below this (ZeroTIR: 0.2)")
+    filter_high: float | None = arg(None, "dynamic sampling: drop groups whose accuracy is above this (ZeroTIR: 0.8)")
+    sampling_temperature: float = arg(1.0, "temperature for rollouts")
+    sampling_top_p: float = arg(0.9, "nucleus mass for rollouts")
+    sampling_max_tokens: int = arg(128, "most generated tokens per response (standard and tir modes)")
+    learning_rate: float = arg(1e-5, "AdamW learning rate (constant)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient clipping norm")
+    n_steps: int = arg(40, "RL steps (one rollout batch each)")
+    eval_every: int = arg(10, "evaluate every N steps (and before the first and after the last); 0: never")
+    eval_limit: int = arg(100, "questions in each periodic evaluation")
+    eval_max_tokens: int = arg(128, "generated tokens per evaluation answer")
+    save_every: int = arg(10, "checkpoint every N steps (and at the end)")
+    log_rollouts: int = arg(4, "full rollouts written to rollouts.jsonl per step")
+    logger: str = arg("none", "none, tensorboard or wandb (extra metrics sink; metrics.jsonl is always written)")
+    seed: int = arg(0, "seed for data order, sampling and initialisation")
+    sample_device: str | None = arg(None, "device of the sampler (default: see models.assign_device_roles)")
+    reference_model_device: str | None = arg(None, "device of the frozen reference model")
+    eval_device: str | None = arg(None, "device of periodic evaluation")
+    backend: str = arg("auto", "sampler: auto (vLLM if installed and CUDA present, else HF), hf or vllm")
+    gpu_memory_utilization: float = arg(0.3, "vLLM: fraction of its GPU it may take")
+    sample_batch_size: int = arg(64, "HF sampler: sequences per generation batch")
+    output_dir: str | None = arg(None, "run folder (default checkpoints/rl/<loss_type>-<time>)")
+    resume: str | None = arg(None, "run folder to resume from its last checkpoint (same data order afterwards)")
+
+    def check(self):
+        self.check_rollout()
+        if self.loss_type not in ("no_baseline", "reinforce_with_baseline", "grpo_clip"):
+            raise ValueError(f"--loss_type {self.loss_type!r} is not one of no_baseline, reinforce_with_baseline, grpo_clip.")
+        if self.rollout_batch_size % self.group_size:
+            raise ValueError(f"--rollout_batch_size {self.rollout_batch_size} must be a multiple of --group_size {self.group_size}.")
+        if self.rollout_batch_size % self.train_batch_size:
+            raise ValueError(f"--rollout_batch_size {self.rollout_batch_size} must be a multiple of --train_batch_size {self.train_batch_size}.")
+        if self.train_batch_size % self.group_size:
+            raise ValueError("--train_batch_size must be a multiple of --group_size so groups are not split across optimizer steps.")
+        if self.train_batch_size % self.train_mini_batch_size:
+            raise ValueError(f"--train_batch_size {self.train_batch_size} must be a multiple of --train_mini_batch_size {self.train_mini_batch_size}.")
+        off_policy = self.epochs_per_rollout_batch > 1 or self.rollout_batch_size > self.train_batch_size
+        if off_policy and self.loss_type != "grpo_clip":
+            raise ValueError(f"{self.loss_type} has no importance ratio, so it must stay on-policy: use "
+                             f"--epochs_per_rollout_batch 1 and --train_batch_size {self.rollout_batch_size}, or --loss_type grpo_clip.")
+        if self.loss_agg_mode not in ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "trace-length"):
+            raise ValueError(f"--loss_agg_mode {self.loss_agg_mode!r} is not one of seq-mean-token-mean, token-mean, "
+                             f"seq-mean-token-sum-norm, trace-length.")
+        if self.rollout_mode == "delethink" and self.loss_agg_mode != "trace-length":
+            raise ValueError("--rollout_mode delethink spreads a trace over several rows: use --loss_agg_mode trace-length.")
+        if self.rollout_mode == "tir" and self.prompt != "tir":
+            raise ValueError("--rollout_mode tir needs --prompt tir (the prompt that tells the model it can run code).")
+        if self.logger not in ("none", "tensorboard", "wandb"):
+            raise ValueError(f"--logger {self.logger!r} is not one of none, tensorboard, wandb.")
+        if not 0 < self.sampling_top_p <= 1 or self.sampling_temperature <= 0:
+            raise ValueError("rollouts need --sampling_temperature > 0 and --sampling_top_p in (0, 1].")

@@ -91,14 +91,31 @@ def load_math_style(name: str, data_dir: str | None = None) -> list[dict]:
             for r in read_jsonl(path, ("problem", "answer"))]
 
 
-def load_dataset(name: str, split: str = "test", data_dir: str | None = None) -> list[dict]:
+def load_reasoning_gym(task: str, size: int, seed: int) -> list[dict]:
+    """Procedural problems from the reasoning-gym package (offline, seeded): `rg:chain_sum` etc."""
+    import reasoning_gym
+    try:
+        generated = reasoning_gym.create_dataset(task, size=size, seed=seed)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"reasoning-gym has no task {task!r} ({e}); try rg:chain_sum, rg:basic_arithmetic "
+                         f"or rg:gsm_symbolic.") from None
+    return [{"question": item["question"], "answer": str(item["answer"])} for item in generated]
+
+
+def load_dataset(name: str, split: str = "test", data_dir: str | None = None, size: int = 2000,
+                 seed: int = 0) -> list[dict]:
+    """Rows for `name`: gsm8k, a MATH-style set, or `rg:<task>` (reasoning-gym; `size` problems
+    generated from the seed; reasoning-gym seeds item i with seed + i, so the test split starts a
+    million seeds away to keep the splits disjoint)."""
+    if name.startswith("rg:"):
+        return load_reasoning_gym(name[3:], size, seed + (1_000_003 if split == "test" else 0))
     if name == "gsm8k":
         return load_gsm8k(split, data_dir)
     if name in MATH_STYLE:
         if split != "test":
             raise ValueError(f"{name} has only a test split; pass --split test.")
         return load_math_style(name, data_dir)
-    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}.")
+    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)} or rg:<task>.")
 
 
 def load_prompt(name: str) -> str:
