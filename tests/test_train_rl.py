@@ -150,3 +150,12 @@ def test_flag_checks_say_what_to_change(capsys):
     with pytest.raises(SystemExit):
         parse(RLArgs, ["--rollout_mode", "delethink"])
     assert "trace-length" in capsys.readouterr().err
+
+
+def test_plot_draws_the_run(tiny_model_dir, tmp_path, parity):
+    from alignment import plot
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1))
+    out = plot.plot(tmp_path / "run")
+    assert out.exists() and out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl does not exist"):
+        plot.plot(tmp_path / "nothing")
