@@ -159,3 +159,13 @@ def test_plot_draws_the_run(tiny_model_dir, tmp_path, parity):
     assert out.exists() and out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(FileNotFoundError, match="metrics.jsonl does not exist"):
         plot.plot(tmp_path / "nothing")
+
+
+def test_delethink_mode_trains_on_chunk_rows(tiny_model_dir, tmp_path, parity):
+    args = tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, rollout_mode="delethink", loss_agg_mode="trace-length",
+                     delethink_chunk_size=4, delethink_carryover=2, delethink_keep_head=1, delethink_max_turns=3)
+    train_rl.main(args)
+    [step] = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
+    assert torch.isfinite(torch.tensor(step["loss"])) and step["grad_norm"] > 0
+    rollouts = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
+    assert all(r["rows"] == r["stats"]["chunks"] for r in rollouts) and any(r["rows"] > 1 for r in rollouts)
