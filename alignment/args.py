@@ -69,7 +69,7 @@ class EvalArgs(RolloutArgs):
     temperature: float = arg(0.0, "sampling temperature; 0 is greedy")
     top_p: float = arg(1.0, "nucleus sampling mass")
     max_tokens: int = arg(256, "maximum generated tokens per completion (the reference setup uses 1024)")
-    batch_size: int = arg(32, "sequences per forward batch (HF backend)")
+    batch_size: int = arg(64, "sequences per generation batch (HF backend)")
     backend: str = arg("auto", "auto (vLLM if installed and CUDA present, else HF), hf or vllm")
     device: str | None = arg(None, "device for the model (default cuda if available, else cpu)")
     seed: int = arg(0, "sampling seed")
