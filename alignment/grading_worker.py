@@ -267,4 +267,7 @@ def _serve():
 
 
 if __name__ == "__main__":
-    _serve()
+    try:
+        _serve()
+    except BrokenPipeError:  # the parent exited (e.g. right after starting us): nothing left to answer
+        sys.exit(0)
