@@ -165,3 +165,41 @@ class RLArgs(RolloutArgs):
             raise ValueError(f"--logger {self.logger!r} is not one of none, tensorboard, wandb.")
         if not 0 < self.sampling_top_p <= 1 or self.sampling_temperature <= 0:
             raise ValueError("rollouts need --sampling_temperature > 0 and --sampling_top_p in (0, 1].")
+
+
+@dataclass
+class SFTArgs:
+    """Supervised fine-tuning on reasoning traces (GSM8K reference solutions, or your own JSONL)."""
+
+    model: str = arg("smollm2-135m", "policy to fine-tune: hub id, local HF folder or smollm2-135m (packaged, offline)")
+    train_file: str | None = arg(None, "JSONL of {prompt, response} pairs; default: GSM8K train in the r1_zero format")
+    data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
+    max_examples: int = arg(80, "train on the first N examples (0: all); 80 fits ~20 min on 2 CPU cores")
+    epochs: int = arg(1, "passes over the examples")
+    batch_size: int = arg(8, "examples per optimizer step")
+    microbatch_size: int = arg(4, "examples per forward/backward; gradient accumulation = batch_size / microbatch_size")
+    lr: float = arg(2e-4, "peak AdamW learning rate (few steps on CPU; use ~2e-5 for long GPU runs)")
+    warmup_ratio: float = arg(0.1, "fraction of steps with linear warmup before the cosine decay to 0")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
+    eval_every: int = arg(20, "evaluate every N steps (also before training and at the end); 0: only before and after")
+    eval_limit: int = arg(50, "GSM8K test problems per evaluation")
+    eval_max_tokens: int = arg(256, "maximum generated tokens per evaluation answer")
+    eval_batch_size: int = arg(64, "sequences per generation batch during evaluation")
+    save_every: int = arg(0, "also save a checkpoint every N steps (0: only at the end)")
+    output_dir: str = arg("checkpoints/math_sft", "checkpoint folder (weights, tokenizer, run_config.json, metrics.jsonl)")
+    resume: bool = arg(False, "continue from the checkpoint in --output_dir (same flags otherwise)")
+    seed: int = arg(0, "seed for data order and torch")
+
+    def check(self):
+        if self.microbatch_size < 1 or self.batch_size % self.microbatch_size:
+            raise ValueError(f"--batch_size {self.batch_size} must be a positive multiple of --microbatch_size "
+                             f"{self.microbatch_size}; change one of them.")
+        if self.max_examples < 0 or self.epochs < 1:
+            raise ValueError("--max_examples must be 0 (all) or positive, and --epochs at least 1.")
+        if 0 < self.max_examples < self.batch_size:
+            raise ValueError(f"--max_examples {self.max_examples} is smaller than one batch; raise it or lower --batch_size.")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError("--warmup_ratio must be in [0, 1).")
+        if self.eval_every < 0 or self.save_every < 0 or self.eval_limit < 0:
+            raise ValueError("--eval_every, --save_every and --eval_limit must be 0 or positive.")

@@ -1,0 +1,117 @@
+import json
+import math
+
+import pytest
+import torch
+
+from alignment import data, models, sft
+from alignment.args import SFTArgs, parse
+from alignment.drgrpo_grader import r1_zero_reward_fn
+
+
+def test_gsm8k_example_drops_annotations_and_has_the_exact_format(data_dir):
+    row = data.load_gsm8k("train", str(data_dir))[0]
+    assert "<<48/2=24>>" in row["solution"]  # the first GSM8K train row (Natalia's clips)
+    example = sft.gsm8k_sft_example(row, data.load_prompt("r1_zero"))
+    assert example["prompt"].endswith(f"User: {row['question']}\nAssistant: <think>")
+    assert example["response"] == (" Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether "
+                                   "in April and May. </think> <answer> 72 </answer>")
+    assert r1_zero_reward_fn(example["response"], row["answer"]) == {"format_reward": 1.0, "answer_reward": 1.0,
+                                                                     "reward": 1.0}
+
+
+def test_annotation_removal_keeps_everything_else():
+    row = {"question": "q", "answer": "1000",
+           "solution": "He pays 2*500 = <<2*500=1000>>1000 dollars.\nSo <<1000-0=1000>>1000 in all.\n#### 1,000"}
+    response = sft.gsm8k_sft_example(row, "{question}")["response"]
+    assert response == " He pays 2*500 = 1000 dollars.\nSo 1000 in all. </think> <answer> 1000 </answer>"
+
+
+def test_eos_appended_to_the_response_is_one_special_token(tokenizer):
+    ids = tokenizer(" 72 </answer>" + tokenizer.eos_token, add_special_tokens=False).input_ids
+    assert ids[-1] == tokenizer.eos_token_id and ids.count(tokenizer.eos_token_id) == 1
+
+
+def test_train_file_of_prompt_response_pairs(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "response": f"r{i}"}) + "\n" for i in range(5)))
+    examples = sft.load_sft_examples(SFTArgs(train_file=str(path), max_examples=3))
+    assert examples == [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(3)]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        sft.load_sft_examples(SFTArgs(train_file=str(tmp_path / "nope.jsonl")))
+
+
+def test_batches_cover_each_epoch_once_in_a_new_order():
+    epoch0 = [sft.batch_indices(s, 10, 3, seed=0) for s in range(3)]
+    epoch1 = [sft.batch_indices(s, 10, 3, seed=0) for s in range(3, 6)]
+    assert len({i for b in epoch0 for i in b}) == 9 and len({i for b in epoch1 for i in b}) == 9
+    assert epoch0 != epoch1 and epoch0 == [sft.batch_indices(s, 10, 3, seed=0) for s in range(3)]
+
+
+def test_lr_schedule_warms_up_then_decays():
+    factors = [sft.lr_factor(s, 2, 10) for s in range(10)]
+    assert factors[:3] == [0.5, 1.0, 1.0] and all(a > b for a, b in zip(factors[2:], factors[3:])) and factors[-1] > 0
+
+
+def test_bad_flag_combination_says_what_to_change():
+    with pytest.raises(SystemExit):
+        parse(SFTArgs, ["--batch_size", "6", "--microbatch_size", "4"])
+    with pytest.raises(ValueError, match="multiple of --microbatch_size"):
+        SFTArgs(batch_size=6, microbatch_size=4).check()
+
+
+def tiny_args(model_dir, out_dir, **overrides) -> SFTArgs:
+    base = dict(model=model_dir, max_examples=8, batch_size=4, microbatch_size=2, eval_limit=2,
+                eval_max_tokens=4, output_dir=str(out_dir), lr=1e-3)
+    return SFTArgs(**{**base, **overrides})
+
+
+def test_two_step_run_trains_saves_and_reloads(tiny_model_dir, tokenizer, data_dir, tmp_path):
+    before = models.load_model(tiny_model_dir).state_dict()
+    result = sft.main(tiny_args(tiny_model_dir, tmp_path / "sft"))
+    assert result["steps"] == 2 and math.isfinite(result["last_loss"])
+    after = models.load_model(str(tmp_path / "sft")).state_dict()  # the path alignment.evaluate --model takes
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert models.load_tokenizer(str(tmp_path / "sft")).eos_token == tokenizer.eos_token
+    assert json.loads((tmp_path / "sft" / "run_config.json").read_text())["max_examples"] == 8
+    lines = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2]
+    assert [r["step"] for r in lines if "eval" in r] == [0, 2]
+    assert all(math.isfinite(r["loss"]) for r in lines if "loss" in r)
+    assert not (tmp_path / "sft.tmp").exists()
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_resume_continues_at_the_right_step(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    # Uninterrupted: 2 epochs of 2 steps.
+    sft.main(tiny_args(tiny_model_dir, tmp_path / "full", epochs=2))
+    # Interrupted right after the checkpoint at step 2, then resumed to step 4.
+    real_save = models.save_checkpoint
+
+    def save_then_crash(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise Interrupted
+
+    monkeypatch.setattr(models, "save_checkpoint", save_then_crash)
+    with pytest.raises(Interrupted):
+        sft.main(tiny_args(tiny_model_dir, tmp_path / "resumed", epochs=2, save_every=2))
+    assert torch.load(tmp_path / "resumed" / sft.STATE_FILE, weights_only=False)["step"] == 2
+    monkeypatch.setattr(models, "save_checkpoint", real_save)
+    result = sft.main(tiny_args(tiny_model_dir, tmp_path / "resumed", epochs=2, save_every=2, resume=True))
+    assert result["start_step"] == 2 and result["steps"] == 4
+
+    full_state = torch.load(tmp_path / "full" / sft.STATE_FILE, weights_only=False)
+    resumed_state = torch.load(tmp_path / "resumed" / sft.STATE_FILE, weights_only=False)
+    assert resumed_state["step"] == full_state["step"] == 4
+    assert resumed_state["examples_seen"] == full_state["examples_seen"] == 16
+    full, resumed = (models.load_model(str(tmp_path / name)).state_dict() for name in ("full", "resumed"))
+    for key in full:
+        torch.testing.assert_close(resumed[key], full[key], rtol=1e-5, atol=1e-6)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == [1, 2, 3, 4]
+    with pytest.raises(FileNotFoundError, match="no trainer_state.pt"):
+        sft.main(tiny_args(tiny_model_dir, tmp_path / "empty", resume=True))
