@@ -17,19 +17,20 @@ from pathlib import Path
 
 import torch
 
-from alignment import data, delethink, models, rollout
+from alignment import data, delethink, models, rollout, tir
 from alignment.args import EvalArgs, parse, to_dict
 from alignment.drgrpo_grader import extract_boxed, extract_last_number, normalize, question_only_reward_fn, r1_zero_reward_fn
 from alignment.rollout import traces
 from alignment.sampling import SamplingParams, make_sampler, pick_backend
 
 # rollout mode -> its generate function; picked once, by name
-ROLLOUT_MODES = {"standard": rollout.generate, "delethink": delethink.generate}
+ROLLOUT_MODES = {"standard": rollout.generate, "delethink": delethink.generate, "tir": tir.generate}
 
 # prompt template -> (reward function, stop strings). r1_zero stops at `</answer>` as in the reference.
 PROMPT_SETTINGS = {
     "r1_zero": (r1_zero_reward_fn, ("</answer>",)),
     "question_only": (question_only_reward_fn, ()),
+    "tir": (tir.tir_reward_fn, ()),
 }
 CPU_DEFAULT_LIMIT = 100  # about 3-5 minutes for smollm2-135m on 2 cores
 
