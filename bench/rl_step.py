@@ -1,0 +1,167 @@
+"""Seconds per GRPO step, this project's `train_rl.main` against TRL's GRPOTrainer, on the same work.
+
+    uv run python bench/rl_step.py                  # 2 rounds x 3 steps per side, about 10 minutes on 2 cores
+    uv run python bench/rl_step.py --steps 2 --rounds 1 --natural_length
+
+Same work on both sides: the HF folder checkpoints/smollm2-135m in fp32 on CPU, one GSM8K test question
+with the r1_zero prompt, 16 completions per step (one group), temperature 1, top_p 1, no top-k, at most
+128 new tokens, microbatch 8 (two microbatches, one optimizer step per rollout batch), GRPO-clip loss
+with eps 0.2 on-policy (one epoch), std-normalised group advantages, no KL term, no reference model, the
+project's r1_zero reward on both sides, the same torch thread count. By default every completion is
+forced to exactly max_tokens (min_tokens on our sampler, min_new_tokens on TRL's generate), so both sides
+generate the same number of tokens; --natural_length lets EOS and `</answer>` end them (our sampler stops
+at `</answer>`, TRL's does not) and the table then reports the tokens each side generated.
+
+Our side is the real training loop, `alignment.train_rl.main`, run on a data folder holding only the
+chosen question; its per-step seconds come from its metrics.jsonl. TRL runs in its own environment
+(created on first use under checkpoints/bench-trl-venv, git-ignored) with the project's torch and
+transformers versions, through bench/_trl_step.py. The first step of each run is a warm-up and is left
+out; the table reports the median of the rest over all rounds. Rounds alternate ours, TRL, ours, TRL, so
+that load from other jobs on the machine hits both sides alike.
+"""
+
+import argparse
+import functools
+import importlib.metadata
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from alignment import data, models, train_rl
+from alignment.args import RLArgs
+from alignment.evaluate import build_prompts
+from alignment.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+TRL_VERSION = "1.16.0"
+WORK = ROOT / "outputs" / "bench-rl-step"
+
+
+def trl_python(venv: Path) -> Path:
+    """The benchmark's TRL environment, created on first use with the project's torch/transformers."""
+    python = venv / "bin" / "python"
+    if python.exists():
+        return python
+    pins = [f"trl=={TRL_VERSION}"] + [f"{p}=={importlib.metadata.version(p)}" for p in
+                                      ("torch", "transformers", "accelerate", "math-verify", "sympy")]
+    pins = [p.split("+")[0] for p in pins]  # torch 2.x.y+cu130 -> the same wheel from the index
+    print(f"[bench] creating {venv} with {' '.join(pins)} (once)", flush=True)
+    subprocess.run(["uv", "venv", "--python", f"{sys.version_info.major}.{sys.version_info.minor}", str(venv)], check=True)
+    subprocess.run(["uv", "pip", "install", "--python", str(python), *pins], check=True)
+    return python
+
+
+def run_ours(args, question_dir: Path, round_index: int) -> list[dict]:
+    run_dir = WORK / f"ours-{round_index}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    rl_args = RLArgs(model=args.model, dataset="gsm8k", data_dir=str(question_dir), prompt="r1_zero",
+                     loss_type="grpo_clip", group_size=args.group_size, rollout_batch_size=args.group_size,
+                     train_batch_size=args.group_size, train_mini_batch_size=args.microbatch,
+                     epochs_per_rollout_batch=1, use_std_normalization=True, kl_coef=0.0,
+                     sampling_temperature=1.0, sampling_top_p=1.0, sampling_max_tokens=args.max_tokens,
+                     learning_rate=1e-5, n_steps=args.steps, eval_every=0, save_every=10**9, log_rollouts=0,
+                     seed=args.seed + round_index, output_dir=str(run_dir), sample_device="cpu",
+                     reference_model_device="cpu", eval_device="cpu", backend="hf")
+    rl_args.check()
+    # main() builds SamplingParams itself; forcing the length is the benchmark's choice, not the loop's.
+    original = train_rl.SamplingParams
+    if not args.natural_length:
+        train_rl.SamplingParams = functools.partial(SamplingParams, min_tokens=args.max_tokens)
+    try:
+        train_rl.main(rl_args)
+    finally:
+        train_rl.SamplingParams = original
+    steps = []
+    for m in train_rl._read_jsonl(run_dir / "metrics.jsonl"):
+        seconds = {k[len("seconds_"):]: v for k, v in m.items() if k.startswith("seconds_")}
+        steps.append({"total": sum(seconds.values()), "generate": seconds["sample"], "score": seconds["score"],
+                      "train": seconds["train"] + seconds["sync"], "tokens": m["response_tokens"] * args.group_size})
+    shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)  # main() saves at its last step
+    return steps
+
+
+def run_trl(args, python: Path, prompt: str, answer: str, round_index: int) -> list[dict]:
+    settings = {"project_root": str(ROOT), "model": str(models.resolve_model(args.model)), "prompt": prompt,
+                "answer": answer, "steps": args.steps, "group_size": args.group_size, "microbatch": args.microbatch,
+                "max_tokens": args.max_tokens, "temperature": 1.0, "top_p": 1.0, "learning_rate": 1e-5,
+                "force_length": not args.natural_length, "threads": args.threads, "seed": args.seed + round_index,
+                "output_dir": str(WORK / f"trl-{round_index}")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": ""}
+    done = subprocess.run([str(python), str(ROOT / "bench" / "_trl_step.py"), json.dumps(settings)],
+                          env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the TRL run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"total"')]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="HF folder or packaged name (smollm2-135m)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is a warm-up")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per side, alternating ours and TRL")
+    parser.add_argument("--group_size", type=int, default=16, help="completions per step (one question)")
+    parser.add_argument("--microbatch", type=int, default=8, help="rows per forward/backward on both sides")
+    parser.add_argument("--max_tokens", type=int, default=128, help="most generated tokens per completion")
+    parser.add_argument("--natural_length", action="store_true", help="let EOS/stop strings end completions")
+    parser.add_argument("--question", type=int, default=0, help="index of the GSM8K test question")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data_dir", default=os.environ.get("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data")))
+    parser.add_argument("--trl_venv", default=str(ROOT / "checkpoints" / "bench-trl-venv"))
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2: the first step of each run is a warm-up.")
+    torch.set_num_threads(args.threads)
+    python = trl_python(Path(args.trl_venv))
+
+    # A data folder holding only the chosen question, as the train split our loop reads.
+    raw = data.read_jsonl(Path(args.data_dir) / "gsm8k" / "test.jsonl", ("question", "answer"))[args.question]
+    question_dir = WORK / "data"
+    (question_dir / "gsm8k").mkdir(parents=True, exist_ok=True)
+    for split in ("train", "test"):
+        (question_dir / "gsm8k" / f"{split}.jsonl").write_text(json.dumps(raw) + "\n")
+    row = data.load_gsm8k("train", str(question_dir))[0]
+    tokenizer = models.load_tokenizer(args.model)
+    [prompt], [prompt_ids] = build_prompts(tokenizer, [row], "r1_zero")
+
+    print(f"[bench] {args.model}, fp32 CPU, {args.threads} threads; {args.group_size} completions of "
+          f"{'<=' if args.natural_length else 'exactly '}{args.max_tokens} tokens per step; microbatch {args.microbatch}; "
+          f"prompt {len(prompt_ids)} tokens; torch {torch.__version__}; TRL {TRL_VERSION}", flush=True)
+    results = {"ours": [], "trl": []}
+    loads = [os.getloadavg()[0]]
+    for r in range(args.rounds):
+        for side in ("ours", "trl"):
+            start = time.perf_counter()
+            steps = run_ours(args, question_dir, r) if side == "ours" else run_trl(args, python, prompt, row["answer"], r)
+            if side == "trl" and steps and steps[0]["prompt_tokens"] != len(prompt_ids):
+                print(f"[bench] warning: TRL tokenised the prompt to {steps[0]['prompt_tokens']} tokens, ours to {len(prompt_ids)}")
+            loads.append(os.getloadavg()[0])
+            print(f"[bench] round {r + 1} {side}: " + ", ".join(f"{s['total']:.1f}s" for s in steps)
+                  + f" ({time.perf_counter() - start:.0f}s with loading; load average {loads[-1]:.2f})", flush=True)
+            results[side] += steps[1:]
+
+    print(f"\nmedian over {len(results['ours'])} timed steps per side (first step of each run left out); "
+          f"1-min load average seen: {min(loads):.2f}-{max(loads):.2f}")
+    print(f"{'':6} {'total s':>8} {'generate s':>11} {'score s':>8} {'train s':>8} {'gen tokens':>11} {'tok/s (total)':>14}")
+    medians = {}
+    for side, steps in results.items():
+        m = {k: statistics.median(s[k] for s in steps) for k in ("total", "generate", "score", "train", "tokens")}
+        medians[side] = m
+        print(f"{side:6} {m['total']:8.1f} {m['generate']:11.1f} {m['score']:8.2f} {m['train']:8.1f} "
+              f"{m['tokens']:11.0f} {m['tokens'] / m['total']:14.1f}")
+    ours, trl = medians["ours"], medians["trl"]
+    print(f"ratio TRL/ours: total {trl['total'] / ours['total']:.2f}x | generate {trl['generate'] / ours['generate']:.2f}x"
+          f" | train {trl['train'] / ours['train']:.2f}x | per generated token "
+          f"{(trl['total'] / trl['tokens']) / (ours['total'] / ours['tokens']):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
