@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from alignment import data, models
+from alignment import data, models, tir
 from alignment.args import RLArgs, parse, to_dict
 from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts, evaluate
 from alignment.grpo import compute_group_normalized_rewards, filter_groups, grpo_microbatch_train_step, masked_mean
@@ -70,6 +70,16 @@ def make_logger(kind: str, run_dir: Path, config: dict):
         logger.log = lambda metrics, step: run.log(metrics, step=step)
         return logger
     return NullLogger()
+
+
+def make_scorer(args: RLArgs):
+    """(last row of a trace, ground truth) -> reward dict, with the grader the prompt calls for. The TIR
+    reward also reads the trace's execution record (ToRL's optional penalty for code that failed)."""
+    reward_fn, _ = PROMPT_SETTINGS[args.prompt]
+    if args.prompt == "tir":
+        return lambda row, truth: tir.tir_reward_fn(row.text, truth, args.tir_reward_scheme, args.exec_penalty,
+                                                    bool(row.stats.get("exec_failed")))
+    return lambda row, truth: reward_fn(row.text, truth)
 
 
 def setup_run(args: RLArgs) -> tuple[Path, str, dict | None]:
@@ -124,7 +134,7 @@ def main(args: RLArgs) -> dict:
     train_rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
     eval_name = args.eval_dataset or args.dataset
     eval_rows = data.load_dataset(eval_name, "test", args.data_dir, size=args.eval_limit, seed=args.seed)[:args.eval_limit]
-    reward_fn, stop = PROMPT_SETTINGS[args.prompt]
+    score, stop = make_scorer(args), PROMPT_SETTINGS[args.prompt][1]
     questions_per_step = args.rollout_batch_size // args.group_size
     on_policy = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.rollout_batch_size
     start_step, bad_steps = 0, 0
@@ -171,7 +181,7 @@ def main(args: RLArgs) -> dict:
         start = time.perf_counter()
         all_traces = traces(rollouts)
         advantages, raw_rewards, reward_meta = compute_group_normalized_rewards(
-            reward_fn, [t[-1].text for t in all_traces], [batch[t[-1].group_id]["answer"] for t in all_traces],
+            score, [t[-1] for t in all_traces], [batch[t[-1].group_id]["answer"] for t in all_traces],
             args.group_size, args.advantage_eps, args.use_std_normalization)
         keep = torch.ones(len(all_traces), dtype=torch.bool)
         if args.filter_low is not None or args.filter_high is not None:
@@ -208,6 +218,8 @@ def main(args: RLArgs) -> dict:
                    "zero_std_groups": reward_meta["zero_std_fraction"], "kept_traces": len(kept),
                    **{k: sum(v) / len(v) for k, v in train.items() if v},
                    **{f"seconds_{k}": v for k, v in times.items()}}
+        if args.rollout_mode == "tir":
+            metrics.update(tir.tir_metrics([t[-1] for t in all_traces], raw_rewards.tolist()))
         _append_jsonl(run_dir / "metrics.jsonl", metrics)
         for t, reward in list(zip(all_traces, raw_rewards.tolist()))[:args.log_rollouts]:
             _append_jsonl(run_dir / "rollouts.jsonl", {"step": step + 1, "prompt": prompt_texts[t[-1].group_id],

@@ -9,7 +9,7 @@ from alignment import models, train_rl
 from alignment.args import RLArgs, parse
 
 
-def parity_reward(text, ground_truth):
+def parity_reward(text, ground_truth, *rest):
     """A reward the tiny random model can earn: half its answers are 'right', so groups have spread."""
     return {"reward": float(len(text) % 2), "format_reward": 1.0, "answer_reward": float(len(text) % 2)}
 
@@ -17,6 +17,7 @@ def parity_reward(text, ground_truth):
 @pytest.fixture
 def parity(monkeypatch):
     monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (parity_reward, ()))
+    monkeypatch.setattr(train_rl.tir, "tir_reward_fn", parity_reward)
 
 
 def tiny_args(model_dir, out, **overrides) -> RLArgs:
@@ -169,3 +170,10 @@ def test_delethink_mode_trains_on_chunk_rows(tiny_model_dir, tmp_path, parity):
     assert torch.isfinite(torch.tensor(step["loss"])) and step["grad_norm"] > 0
     rollouts = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
     assert all(r["rows"] == r["stats"]["chunks"] for r in rollouts) and any(r["rows"] > 1 for r in rollouts)
+
+
+def test_tir_mode_runs_through_train_rl(tiny_model_dir, tmp_path, parity):
+    args = tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, rollout_mode="tir", prompt="tir")
+    train_rl.main(args)
+    [step] = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
+    assert torch.isfinite(torch.tensor(step["loss"])) and "code_use_rate" in step
