@@ -91,15 +91,38 @@ def load_math_style(name: str, data_dir: str | None = None) -> list[dict]:
             for r in read_jsonl(path, ("problem", "answer"))]
 
 
-def load_reasoning_gym(task: str, size: int, seed: int) -> list[dict]:
-    """Procedural problems from the reasoning-gym package (offline, seeded): `rg:chain_sum` etc."""
+def load_reasoning_gym(spec: str, size: int, seed: int) -> list[dict]:
+    """Procedural problems from the reasoning-gym package (offline, seeded). `spec` is a task name,
+    optionally followed by its config fields: `chain_sum` or `chain_sum:max_terms=3,max_digits=2`."""
     import reasoning_gym
+    task, _, options = spec.partition(":")
+    config = {}
+    for option in filter(None, options.split(",")):
+        key, eq, value = option.partition("=")
+        if not eq:
+            raise ValueError(f"rg:{spec}: write task options as key=value, e.g. rg:chain_sum:max_terms=3.")
+        config[key.strip()] = _option_value(value.strip())
     try:
-        generated = reasoning_gym.create_dataset(task, size=size, seed=seed)
+        generated = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
     except (KeyError, ValueError) as e:
         raise ValueError(f"reasoning-gym has no task {task!r} ({e}); try rg:chain_sum, rg:basic_arithmetic "
                          f"or rg:gsm_symbolic.") from None
+    except (TypeError, AssertionError) as e:
+        raise ValueError(f"rg:{spec}: reasoning-gym rejected the options ({e or 'invalid value'}); "
+                         f"see the task's config class for its fields.") from None
     return [{"question": item["question"], "answer": str(item["answer"])} for item in generated]
+
+
+def _option_value(text: str):
+    """`3` -> 3, `0.5` -> 0.5, `true`/`false` -> bool, anything else stays a string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def load_dataset(name: str, split: str = "test", data_dir: str | None = None, size: int = 2000,

@@ -92,3 +92,23 @@ def test_prompts():
     assert "\\boxed{}" in data.load_prompt("question_only")
     with pytest.raises(ValueError, match="unknown prompt 'nope'; choose one of .*r1_zero"):
         data.load_prompt("nope")
+
+
+def test_reasoning_gym_tasks_with_options_are_seeded_and_split():
+    rows = data.load_dataset("rg:chain_sum:max_terms=2,max_digits=1", "train", size=20, seed=3)
+    assert rows == data.load_dataset("rg:chain_sum:max_terms=2,max_digits=1", "train", size=20, seed=3)
+    for row in rows:  # two one-digit terms, and the gold is their value
+        expression = row["question"].rsplit(":", 1)[1].strip().rstrip("=")
+        terms = expression.replace("-", "+").split("+")
+        assert len(terms) == 2 and all(len(t.strip()) == 1 for t in terms)
+        assert eval(expression) == int(row["answer"])
+    test = data.load_dataset("rg:chain_sum:max_terms=2,max_digits=1", "test", size=20, seed=3)
+    assert [r["question"] for r in test] != [r["question"] for r in rows]
+
+
+@pytest.mark.parametrize("name,message", [("rg:chain_sum:max_terms", "key=value"),
+                                          ("rg:chain_sum:colour=red", "rejected the options"),
+                                          ("rg:no_such_task", "has no task")])
+def test_bad_reasoning_gym_specs_say_what_to_do(name, message):
+    with pytest.raises(ValueError, match=message):
+        data.load_dataset(name, size=2)
