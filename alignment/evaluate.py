@@ -11,6 +11,7 @@ With `--n_samples k` (and a temperature above 0) it also reports pass@k (some sa
 
 import dataclasses
 import json
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -85,7 +86,8 @@ def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: Sam
         "tokens_per_s": n_tokens / max(seconds, 1e-9),
         "generation_s": seconds,
     }
-    for key in sorted({k for r in records for k, v in r["stats"].items() if isinstance(v, (int, float))}):
+    trace_stats = {k for r in records for k, v in r["stats"].items() if isinstance(v, (int, float))} - {"chunk"}
+    for key in sorted(trace_stats):  # per-trace numbers; "chunk" is the index of a Delethink row, not a trace stat
         summary[f"mean_{key}"] = _mean(r["stats"].get(key, 0) for r in records)
     if params.n > 1:
         by_problem = [records[i:i + params.n] for i in range(0, len(records), params.n)]
@@ -131,7 +133,7 @@ def main(args: EvalArgs) -> dict:
                             max_tokens=args.max_tokens, seed=args.seed)
     summary, records = evaluate(sampler, tokenizer, subset, args.prompt, params, args.chat_template,
                                 args.rollout_mode, mode_args=args)
-    out = Path(args.output_dir or f"outputs/eval/{Path(args.model).name}-{args.dataset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(args.output_dir or f"outputs/eval/{Path(args.model).name}-{re.sub(r'[^A-Za-z0-9._=-]+', '_', args.dataset)}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.jsonl", "w") as f:
         for record in records:
