@@ -91,7 +91,23 @@ def _mount(src, target, fstype, flags, data=None):
 
 
 def _isolate_zygote():
-    """Private mount + network namespace: read-only root, private tmpfs, hidden homes. Returns layer names."""
+    """Private mount + network namespace: read-only root, private tmpfs, hidden homes. Returns layer names.
+
+    /tmp, /var/tmp and /dev/shm become private tmpfs and home directories are hidden behind empty ones;
+    the interpreter's own directories that lie under any of them (a venv in /tmp or in ~) are first
+    bind-mounted aside onto a staging tmpfs, then put back read-only over the new, empty directories.
+    """
+    hidden = [os.path.realpath(d) for d in ("/tmp", "/var/tmp", "/dev/shm", "/root", "/home", os.path.expanduser("~"))
+              if os.path.isdir(d)]
+    hidden = sorted(set(d for d in hidden if d != "/"))
+    hidden = [h for h in hidden if not any(h.startswith(q + "/") for q in hidden)]  # outermost only
+    keep = {os.path.realpath(p) for p in sys.path + [sys.prefix, sys.base_prefix] if os.path.isdir(p)}
+    keep = sorted(p for p in keep if any(p.startswith(h + "/") for h in hidden))
+    keep = [p for p in keep if not any(p.startswith(q + "/") for q in keep)]  # outermost only
+    stage_root = next((d for d in ("/mnt", "/media", "/opt", "/srv") if os.path.isdir(d) and d not in hidden
+                       and not any(k.startswith(d + "/") for k in keep)), None)
+    if keep and stage_root is None:
+        return []  # nowhere to stage the interpreter: run without this layer (the layers list says so)
     uid, gid = os.getuid(), os.getgid()
     flags = CLONE_NEWNS | CLONE_NEWNET | (0 if uid == 0 else CLONE_NEWUSER)
     if libc.unshare(flags) != 0:
@@ -105,29 +121,24 @@ def _isolate_zygote():
     # mount_setattr(AT_FDCWD, "/", AT_RECURSIVE, {attr_set=MOUNT_ATTR_RDONLY}): the whole tree read-only.
     attr = (ctypes.c_uint64 * 4)(1, 0, 0, 0)
     _check(libc.syscall(442, -100, b"/", 0x8000, attr, ctypes.sizeof(attr)), "mount_setattr /")
-    _mount("tmpfs", "/tmp", "tmpfs", ms_nosuid | ms_nodev, "size=256m,mode=0755")
-    for d in ("/var/tmp", "/dev/shm"):
-        if os.path.isdir(d):
-            _mount("tmpfs", d, "tmpfs", ms_nosuid | ms_nodev | ms_rdonly, "size=1m,mode=0755")
-    # Hide home directories, then bind the interpreter's own directories back read-only.
-    hidden = [d for d in ("/root", "/home", os.path.expanduser("~")) if os.path.isdir(d) and d != "/"]
-    keep = {os.path.realpath(p) for p in sys.path + [sys.prefix, sys.base_prefix] if os.path.isdir(p)}
-    keep = sorted(p for p in keep if any(p.startswith(h + "/") for h in hidden))
-    keep = [p for p in keep if not any(p.startswith(q + "/") for q in keep)]  # outermost only
-    staged = []
-    for i, p in enumerate(keep):
-        staged.append(f"/tmp/.stage{i}")
-        os.mkdir(staged[-1])
-        _mount(p, staged[-1], None, ms_bind | ms_rec)
-    for h in dict.fromkeys(hidden):
-        _mount("tmpfs", h, "tmpfs", ms_nosuid | ms_nodev, "size=1m,mode=0755")
-    for p, s in zip(keep, staged):
+    staged = [f"{stage_root}/.stage{i}" for i in range(len(keep))]
+    if keep:
+        _mount("tmpfs", stage_root, "tmpfs", ms_nosuid | ms_nodev, "size=1m,mode=0700")
+    for p, st in zip(keep, staged):
+        os.mkdir(st)
+        _mount(p, st, None, ms_bind | ms_rec)
+    for h in hidden:  # /tmp is the scratch area (256 MiB); the others stay empty and become read-only
+        _mount("tmpfs", h, "tmpfs", ms_nosuid | ms_nodev, "size=256m,mode=0755" if h == "/tmp" else "size=1m,mode=0755")
+    for p, st in zip(keep, staged):
         os.makedirs(p, exist_ok=True)
-        _mount(s, p, None, ms_bind | ms_rec)
-        _check(libc.umount2(s.encode(), 2), f"umount {s}")  # MNT_DETACH
-        os.rmdir(s)
-    for h in dict.fromkeys(hidden):
-        _mount(None, h, None, ms_remount | ms_bind | ms_rdonly | ms_nosuid | ms_nodev)
+        _mount(st, p, None, ms_bind | ms_rec)
+        _mount(None, p, None, ms_remount | ms_bind | ms_rdonly | ms_nosuid | ms_nodev)
+        _check(libc.umount2(st.encode(), 2), f"umount {st}")  # MNT_DETACH
+    if keep:
+        _check(libc.umount2(stage_root.encode(), 2), f"umount {stage_root}")
+    for h in hidden:
+        if h != "/tmp":
+            _mount(None, h, None, ms_remount | ms_bind | ms_rdonly | ms_nosuid | ms_nodev)
     return ["namespaces"]
 
 
