@@ -324,6 +324,9 @@ def _log_line(m: dict, n_steps: int) -> str:
 
 
 def _append_jsonl(path: Path, record: dict):
+    """One JSON line; NaN (a rate over an empty subset, e.g. TIR accuracy with code when none used code)
+    becomes null so that strict JSON readers accept the file."""
+    record = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()}
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 

@@ -177,3 +177,5 @@ def test_tir_mode_runs_through_train_rl(tiny_model_dir, tmp_path, parity):
     train_rl.main(args)
     [step] = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
     assert torch.isfinite(torch.tensor(step["loss"])) and "code_use_rate" in step
+    for line in open(tmp_path / "run" / "metrics.jsonl"):  # strict JSON: no NaN for empty-subset rates
+        json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl"))
