@@ -71,44 +71,51 @@ def compute_group_normalized_rewards(
 
 
 def filter_groups(rewards: torch.Tensor, group_size: int, low: float | None = None,
-                  high: float | None = None) -> torch.Tensor:
+                  high: float | None = None, *, accuracy: torch.Tensor | None = None) -> torch.Tensor:
     """Dynamic sampling (DAPO section 3.2): which responses to keep, as a bool mask (N,).
 
     Drops every group whose rewards are all equal (its advantages are all 0: it costs compute and adds
-    nothing), and, when `low`/`high` are given, every group whose mean reward (accuracy, for 0/1 rewards)
-    lies outside [low, high] (ZeroTIR trains on 0.2-0.8). The RL loop applies it right after scoring:
-
-        keep = filter_groups(raw_rewards, rollouts_per_prompt, low=0.2, high=0.8)
-        rollouts = [r for r, k in zip(rollouts, keep.tolist()) if k]   # then sample more, or go on
+    nothing), and, when `low`/`high` are given, every group whose accuracy lies outside [low, high]
+    (ZeroTIR trains on 0.2-0.8). Accuracy is the mean of `accuracy` (N,), the 0/1 answer reward, over
+    the group; without it the rewards stand in, which is right only for 0/1 rewards (ToRL's +1/-1
+    reward has mean 2 * accuracy - 1). The RL loop applies it right after scoring, then samples more
+    questions until the batch is full (DAPO's refill).
     """
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    accuracy = rewards if accuracy is None else accuracy
+    if accuracy.shape != rewards.shape:
+        raise ValueError(f"accuracy {tuple(accuracy.shape)} must match rewards {tuple(rewards.shape)}")
     n = group_size
     spread = einx.max("(g n) -> g", rewards, n=n) - einx.min("(g n) -> g", rewards, n=n)
-    mean = einx.mean("(g n) -> g", rewards.float(), n=n)
+    mean_accuracy = einx.mean("(g n) -> g", accuracy.float(), n=n)
     keep = spread > 0
     if low is not None:
-        keep &= mean >= low
+        keep &= mean_accuracy >= low
     if high is not None:
-        keep &= mean <= high
+        keep &= mean_accuracy <= high
     return einx.id("g -> (g n)", keep, n=n)
 
 
 def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """sum(tensor * mask) / sum(mask) over `dim` (all elements when None). No epsilon, as in the
     reference: a fully masked row gives 0/0 = NaN. The train steps never call it on rows that may be
-    empty; `aggregate_loss` guards its own denominators."""
-    if dim is None:
-        return (tensor * mask).sum() / mask.sum()
-    return (tensor * mask).sum(dim) / mask.sum(dim)
+    empty; `aggregate_loss` guards its own denominators. Masked positions are selected away with
+    torch.where, never multiplied by 0, so an inf or NaN there (0 * inf = NaN) stays out."""
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return _masked_sum(tensor, mask, dim) / count
 
 
 def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, normalize_constant: float,
                      dim: int | None = None) -> torch.Tensor:
     """sum(tensor * mask) over `dim` (all elements when None), divided by a constant."""
-    if dim is None:
-        return (tensor * mask).sum() / normalize_constant
-    return (tensor * mask).sum(dim) / normalize_constant
+    return _masked_sum(tensor, mask, dim) / normalize_constant
+
+
+def _masked_sum(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of tensor over the positions where mask != 0 (weighted by the mask there)."""
+    kept = torch.where(mask.bool(), tensor * mask, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
+    return kept.sum() if dim is None else kept.sum(dim)
 
 
 def compute_naive_policy_gradient_loss(raw_rewards_or_advantages: torch.Tensor,
@@ -132,7 +139,7 @@ def compute_grpo_clip_loss(advantages: torch.Tensor, policy_log_probs: torch.Ten
     """
     high = cliprange if cliprange_high is None else cliprange_high
     advantages = advantages.reshape(-1, 1)  # (B, 1)
-    ratio = torch.exp(policy_log_probs - old_log_probs)  # (B, T)
+    ratio = torch.exp(_clamped_log_ratio(policy_log_probs, old_log_probs))  # (B, T)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - cliprange, 1 + high) * advantages
     return -torch.minimum(unclipped, clipped), {"clipped": clipped < unclipped}
@@ -172,10 +179,19 @@ def _require(loss_type: str, **arguments) -> None:
         raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
 
 
+LOG_RATIO_LIMIT = 20.0  # exp(20) = 4.9e8: a ratio past this is a bug or a masked slot, never a signal
+
+
+def _clamped_log_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """log(p / q), clamped before any exp: an inf at a masked position (a forced token the policy
+    gives probability 0) must not overflow to inf, whose gradient through torch.where is NaN."""
+    return (numerator - denominator).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
 def approx_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || pi_ref): exp(r) - r - 1 with r = log pi_ref - log pi.
     Unbiased and always >= 0 (Schulman, "Approximating KL divergence", 2020; DeepSeekMath eq. 4)."""
-    log_ratio = ref_log_probs - policy_log_probs
+    log_ratio = _clamped_log_ratio(ref_log_probs, policy_log_probs)
     return torch.exp(log_ratio) - log_ratio - 1
 
 
@@ -215,7 +231,7 @@ def aggregate_loss(
       splits over microbatches in any way, even with a trace's rows in different microbatches.
     """
     mask = mask.to(per_token_loss.dtype)
-    row_sums = (per_token_loss * mask).sum(-1)  # (B,)
+    row_sums = _masked_sum(per_token_loss, mask, -1)  # (B,)
     if mode == "seq-mean-token-mean":
         loss = (row_sums / mask.sum(-1).clamp(min=1)).mean() / gradient_accumulation_steps
     elif mode == "token-mean":
@@ -239,7 +255,7 @@ def aggregate_loss(
 
 def _mean_over_mask(tensor: torch.Tensor, mask: torch.Tensor) -> float:
     """For logging: masked mean that reads 0 on an empty mask instead of NaN."""
-    return ((tensor * mask).sum() / mask.sum().clamp(min=1)).item()
+    return (_masked_sum(tensor, mask) / mask.sum().clamp(min=1)).item()
 
 
 def sft_microbatch_train_step(policy_log_probs: torch.Tensor, response_mask: torch.Tensor,

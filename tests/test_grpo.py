@@ -87,6 +87,17 @@ def test_filter_groups():
         filter_groups(rewards, 3)
 
 
+def test_filter_groups_bounds_are_on_accuracy_not_on_plus_minus_one_rewards():
+    accuracy = torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 1, 0])  # 1.0, 0.0, 0.25, 0.75
+    rewards = 2 * accuracy - 1  # ToRL's +1 / -1: group means 1, -1, -0.5, 0.5
+    keep = filter_groups(rewards, 4, low=0.2, high=0.8, accuracy=accuracy)
+    assert keep.tolist() == [False] * 8 + [True] * 8  # both mixed groups have accuracy in [0.2, 0.8]
+    keep = filter_groups(rewards, 4, low=0.0, accuracy=accuracy)  # low 0 drops only all-equal groups
+    assert keep.tolist() == [False] * 8 + [True] * 8
+    keep = filter_groups(rewards, 4, high=0.5, accuracy=accuracy)
+    assert keep.tolist() == [False] * 8 + [True] * 4 + [False] * 4
+
+
 # ---- masked reductions ----------------------------------------------------------------------------
 
 def test_masked_mean_and_normalize_by_hand():
@@ -324,6 +335,24 @@ def test_fully_masked_rows_give_no_nan(mode):
                                          num_traces=2)
     assert loss.item() == 0.0
     assert torch.equal(logp.grad, torch.zeros_like(logp))
+
+
+@pytest.mark.parametrize("loss_type", ["no_baseline", "grpo_clip"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_inf_at_a_masked_position_gives_finite_loss_and_gradient(loss_type, mode):
+    # Position 2 is a forced token (tool output, mask 0) that the old policy and the reference gave
+    # probability 0 and the policy -inf: the k3 KL and the ratio overflow there unless kept out.
+    logp = torch.tensor([[-1.0, -2.0, -math.inf]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.9, -math.inf]])
+    ref = torch.tensor([[-1.2, -2.1, math.inf]])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, meta = grpo_microbatch_train_step(logp, mask, 1, loss_type, torch.tensor([[1.0]]), torch.tensor([[0.5]]),
+                                            old, 0.2, loss_agg_mode=mode, kl_coef=0.1, ref_log_probs=ref,
+                                            max_response_length=3, num_tokens=2, num_traces=1,
+                                            trace_lengths=torch.tensor([2]))
+    assert math.isfinite(loss.item()) and math.isfinite(meta["kl"])
+    assert torch.isfinite(logp.grad).all() and logp.grad[0, 2] == 0 and logp.grad[0, :2].abs().sum() > 0
+    assert masked_mean(torch.tensor([1.0, math.inf]), torch.tensor([1, 0])).item() == 1.0
 
 
 @pytest.mark.parametrize("advantage", [1.5, -0.7])
