@@ -22,8 +22,9 @@ Rules chosen here (and where they depart from the paper or the reference code):
 - `params.max_tokens` is ignored: the budgets are C and C - m. `params.min_tokens` is a trace-level
   floor: each chunk gets what is still missing, capped at its budget.
 - Chunk 1 is one sampler call with `params.n` samples per prompt (the prompt is prefilled once per
-  group, and a per-request seed cannot make n copies of one prompt identical); each later round is one
-  call over every still-running trace with n = 1 and the seed shifted by the round, so rounds differ.
+  group, and every request has its own seed); each later round is one call over every still-running
+  trace with n = 1, a seed derived from the round and the trace id as the request key, so traces whose
+  contexts are identical still draw different samples.
 - The trace text (what the reward reads) is the decode of all chunks' token ids concatenated, not the
   concatenation of per-chunk texts: a chunk boundary can split a multi-byte character, which per-chunk
   decoding would turn into two replacement characters. When a stop string ended the trace, the text
@@ -43,7 +44,7 @@ import dataclasses
 import torch
 
 from alignment.rollout import Rollout
-from alignment.sampling import Completion, SamplingParams
+from alignment.sampling import Completion, SamplingParams, derive_seed
 
 
 def budgets(args) -> tuple[int, int, int, int]:
@@ -86,9 +87,10 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
         contexts = [next_prompt(prompt_ids[t // n], _response(chunks[t]), keep_head, keep_tail) for t in running]
         budget = chunk_size - carryover
         produced = min(len(_response(chunks[t])) for t in running)  # equal for all: they hit every budget
-        seed = params.seed + turn - 1 if params.seed is not None else None
+        seed = derive_seed(params.seed, "round", turn) if params.seed is not None else None
         outputs = sampler.generate(contexts, dataclasses.replace(
-            params, n=1, max_tokens=budget, min_tokens=min(max(params.min_tokens - produced, 0), budget), seed=seed))
+            params, n=1, max_tokens=budget, min_tokens=min(max(params.min_tokens - produced, 0), budget), seed=seed),
+            keys=running)  # each trace keeps its own random stream: same contexts still differ
         for t, context, completions in zip(running, contexts, outputs):
             chunks[t].append((context, completions[0]))
 
@@ -103,7 +105,7 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
             ids = list(completion.token_ids)
             rollouts.append(Rollout(prompt_ids=context, response_ids=ids, loss_mask=[1] * len(ids),
                                     trace_id=trace_id, group_id=trace_id // n, text=text,
-                                    finish_reason=last.finish_reason,
+                                    finish_reason=last.finish_reason, sampler_logprobs=completion.logprobs,
                                     stats={"chunk": index, "chunks": len(trace),
                                            "trace_response_tokens": len(response)}))
     return rollouts

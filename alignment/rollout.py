@@ -22,6 +22,9 @@ class Rollout:
     text: str  # the whole trace's response text (all rows, in order): what the reward reads
     finish_reason: str  # of the trace's last generation: "stop" or "length"
     stats: dict = field(default_factory=dict)  # per-mode numbers: chunks, tool calls, ...
+    # the sampler's log-prob of each response token (NaN on forced ones), when it was asked for them:
+    # compared with the learner's own log-probs to log the sampler/learner mismatch
+    sampler_logprobs: list[float] | None = None
 
 
 def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingParams, args=None) -> list[Rollout]:
@@ -32,7 +35,8 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
         for k, completion in enumerate(completions):
             rollouts.append(Rollout(prompt_ids=list(prompt), response_ids=list(completion.token_ids),
                                     loss_mask=[1] * len(completion.token_ids), trace_id=group_id * params.n + k,
-                                    group_id=group_id, text=completion.text, finish_reason=completion.finish_reason))
+                                    group_id=group_id, text=completion.text, finish_reason=completion.finish_reason,
+                                    sampler_logprobs=completion.logprobs))
     return rollouts
 
 

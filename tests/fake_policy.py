@@ -7,7 +7,7 @@ string (kept at the end of the text; "stop", stop_reason set); neither stop coun
 tokens exist, and an EOS the script places earlier is skipped (HF masks EOS there, so it cannot be
 sampled). `respond(prompt_ids, k)` returns the tokens the policy would emit for sample k of that prompt
 if nothing stopped it; a script that runs out before any stop is an error, so tests say what they mean.
-Every call is recorded in `calls` as (prompts, params).
+Every call is recorded in `calls` as (prompts, params) and its request keys in `keys`.
 
 `continue_streams(streams_by_prompt)` builds a `respond` for Markovian (Delethink-style) tests: each
 original prompt owns n fixed token streams; a prompt seen before gets stream k from the start, and any
@@ -27,10 +27,13 @@ class FakePolicy:
         self.tokenizer, self.respond = tokenizer, respond
         self.eos_ids = set(eos_ids if eos_ids is not None else [tokenizer.eos_token_id])
         self.calls: list[tuple[list[list[int]], SamplingParams]] = []
+        self.keys: list[list] = []
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                 keys: list | None = None) -> list[list[Completion]]:
         prompts = [list(p) for p in prompt_token_ids]
         self.calls.append((prompts, params))
+        self.keys.append(list(range(len(prompts))) if keys is None else list(keys))
         return [[self._complete(prompt, k, params) for k in range(params.n)] for prompt in prompts]
 
     def _complete(self, prompt: list[int], k: int, params: SamplingParams) -> Completion:

