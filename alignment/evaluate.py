@@ -20,6 +20,7 @@ import torch
 
 from alignment import data, delethink, models, rollout, tir
 from alignment.args import EvalArgs, parse, to_dict
+from alignment.errors import cli
 from alignment.drgrpo_grader import extract_boxed, extract_last_number, normalize, question_only_reward_fn, r1_zero_reward_fn
 from alignment.rollout import traces
 from alignment.sampling import SamplingParams, make_sampler, pick_backend
@@ -146,4 +147,4 @@ def main(args: EvalArgs) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse(EvalArgs))
+    cli(main, parse(EvalArgs))

@@ -9,6 +9,8 @@ import argparse
 import json
 from pathlib import Path
 
+from alignment.errors import MissingFileError, cli
+
 PANELS = [
     ("reward", [("reward", "train reward"), ("eval_avg_all_rewards", "eval reward")]),
     ("format / answer rate", [("format_reward", "train format"), ("answer_reward", "train answer"),
@@ -26,7 +28,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; pass a run folder written by alignment.train_rl or alignment.sft.")
+        raise MissingFileError(f"{path} does not exist; pass a run folder written by alignment.train_rl or alignment.sft.")
     records = [json.loads(line) for line in open(path)]
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
     for ax, (title, series) in zip(axes, PANELS):
@@ -52,7 +54,7 @@ def main(argv=None):
     parser.add_argument("run_dir", help="a run folder with metrics.jsonl")
     parser.add_argument("--out", default=None, help="PNG path (default <run_dir>/curves.png)")
     args = parser.parse_args(argv)
-    print(f"[plot] wrote {plot(args.run_dir, args.out)}")
+    cli(lambda a: print(f"[plot] wrote {plot(a.run_dir, a.out)}"), args)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import math
 import random
 import re
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from tqdm.auto import tqdm
 
 from alignment import data, models
 from alignment.args import SFTArgs, parse
+from alignment.errors import MissingFileError, UserError, cli
 from alignment.evaluate import evaluate
 from alignment.grpo import sft_microbatch_train_step
 from alignment.sampling import HFSampler, SamplingParams
@@ -48,7 +48,7 @@ def gsm8k_sft_example(row: dict, template: str) -> dict:
 def load_sft_examples(args: SFTArgs) -> list[dict]:
     if args.train_file:
         if not Path(args.train_file).exists():
-            raise FileNotFoundError(f"--train_file {args.train_file} does not exist; pass a JSONL of "
+            raise MissingFileError(f"--train_file {args.train_file} does not exist; pass a JSONL of "
                                     f"{{\"prompt\", \"response\"}} objects.")
         examples = data.read_jsonl(Path(args.train_file), ("prompt", "response"))
     else:
@@ -115,7 +115,7 @@ def main(args: SFTArgs) -> dict:
     # Data: every step's batch is a function of (seed, step); see batch_indices.
     examples = load_sft_examples(args)
     if len(examples) < args.batch_size:
-        raise ValueError(f"only {len(examples)} training examples, fewer than --batch_size {args.batch_size}.")
+        raise UserError(f"only {len(examples)} training examples, fewer than --batch_size {args.batch_size}.")
     total_steps = (len(examples) // args.batch_size) * args.epochs
     warmup_steps = max(1, round(args.warmup_ratio * total_steps))
     accumulation = args.batch_size // args.microbatch_size
@@ -124,16 +124,15 @@ def main(args: SFTArgs) -> dict:
     # Policy: same device logic as RL (one device, or split layer-wise over GPUs). fp32 master weights;
     # on GPU the forward runs under bf16 autocast with gradient checkpointing.
     if args.resume and not (out_dir / STATE_FILE).exists():
-        raise FileNotFoundError(f"--resume found no {STATE_FILE} in {out_dir}; run without --resume first "
+        raise MissingFileError(f"--resume found no {STATE_FILE} in {out_dir}; run without --resume first "
                                 f"or point --output_dir at a folder this script saved.")
     source = str(out_dir) if args.resume else args.model
     roles = models.assign_device_roles(models.available_devices())
-    model = models.load_policy_model(source, roles["policy"], dtype=torch.float32)
-    tokenizer = models.load_tokenizer(source)
     input_device = roles["policy"][0]
-    on_gpu = input_device.startswith("cuda")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else nullcontext()
-    if on_gpu:
+    dtype, autocast = models.train_precision(input_device)
+    model = models.load_policy_model(source, roles["policy"], dtype)
+    tokenizer = models.load_tokenizer(source)
+    if input_device.startswith("cuda"):
         model.gradient_checkpointing_enable()
     model.train()
 
@@ -214,4 +213,4 @@ def main(args: SFTArgs) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse(SFTArgs))
+    cli(main, parse(SFTArgs))

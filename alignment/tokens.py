@@ -49,14 +49,17 @@ def compute_entropy(logits: torch.Tensor, chunk_positions: int = ENTROPY_CHUNK_P
 
 
 def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
-                           return_token_entropy: bool = False) -> dict[str, torch.Tensor]:
+                           return_token_entropy: bool = False, temperature: float = 1.0) -> dict[str, torch.Tensor]:
     """log pi(label_t | input_ids_<=t) for every position, (B, T), differentiable; with
     `return_token_entropy`, also `token_entropy` (B, T), the entropy of each next-token distribution.
     The entropy is for logging, so it is computed without gradient (no graph over a second vocab-sized
-    tensor). Padding sits to the right of every real token, so no attention mask is needed."""
+    tensor). Padding sits to the right of every real token, so no attention mask is needed.
+
+    `temperature` T: the distribution is softmax(logits / T), the one a sampler at temperature T draws
+    from. RL must score samples under the distribution that produced them (see `rollout_log_probs`)."""
     # float32 so that log-ratios against old log-probs are not bf16 noise; the bf16 logits are freed
     # right away (autograd does not keep them), so one vocab-sized tensor stays alive.
-    logits = model(input_ids).logits.float()  # (B, T, V)
+    logits = _tempered(model(input_ids).logits, temperature)  # (B, T, V)
     picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
     result = {"log_probs": picked - torch.logsumexp(logits, dim=-1)}
     if return_token_entropy:
@@ -66,9 +69,12 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
 
 
 def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]],
-                      return_token_entropy: bool = False) -> dict[str, torch.Tensor]:
+                      return_token_entropy: bool = False, temperature: float = 1.0) -> dict[str, torch.Tensor]:
     """log pi(response_t | prompt, response_<t) for rows given as token ids, (B, T) right-padded to the
     longest response (padding reads 0), differentiable; optionally `token_entropy` (B, T), no gradient.
+    pi is softmax(logits / temperature): pass the sampling temperature, so that the current, old and
+    reference log-probs are all of the distribution the responses were drawn from. With logits at T = 1
+    instead, the on-policy ratio is still 1 but the gradient estimates E_q[A grad log pi] for q != pi.
 
     Same numbers as `get_response_log_probs` on the concatenated rows, computed with less work: rows that
     share a prompt (the group_size responses to one question) run that prompt through the model once,
@@ -95,7 +101,7 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
             positions = torch.arange(len(prompt), len(prompt) + width - 1, device=device).expand(len(group), -1)
             rest = decoder(input_ids=ids[:, :-1], position_ids=positions, past_key_values=cache, use_cache=True)
             hidden = torch.cat([hidden, rest.last_hidden_state], dim=1)  # (G, T, d)
-        logits = head(hidden).float()  # (G, T, V): response positions only
+        logits = _tempered(head(hidden), temperature)  # (G, T, V): response positions only
         log_probs = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
         entropy = compute_entropy(logits.detach()) if return_token_entropy else None
         for i, (row, response) in enumerate(zip(rows, group)):
@@ -107,3 +113,11 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     if return_token_entropy:
         result["token_entropy"] = pad(row_entropy, batch_first=True)
     return result
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits / T (no copy at T = 1 beyond the float cast)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to score samples, got {temperature}")
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature

@@ -98,12 +98,13 @@ def test_resume_refuses_changed_flags(tiny_model_dir, tmp_path, parity):
                                 resume=str(tmp_path / "run")))
 
 
-def test_questions_for_step_is_a_seeded_pass_over_the_data():
+def test_questions_at_is_a_seeded_pass_over_the_data():
     rows = [{"question": str(i)} for i in range(10)]
-    first_epoch = [q["question"] for s in range(5) for q in train_rl.questions_for_step(rows, s, 2, seed=0)]
+    first_epoch = [q["question"] for s in range(5) for q in train_rl.questions_at(rows, 2 * s, 2, seed=0)]
     assert sorted(first_epoch) == sorted(r["question"] for r in rows)  # every question once per epoch
-    assert train_rl.questions_for_step(rows, 7, 2, 0) == train_rl.questions_for_step(rows, 7, 2, 0)
-    assert train_rl.questions_for_step(rows, 0, 5, 0) != train_rl.questions_for_step(rows, 0, 5, 1)
+    assert train_rl.questions_at(rows, 14, 2, 0) == train_rl.questions_at(rows, 14, 2, 0)
+    assert train_rl.questions_at(rows, 0, 5, 0) != train_rl.questions_at(rows, 0, 5, 1)
+    assert train_rl.questions_at(rows, 3, 4, 0) == train_rl.questions_at(rows, 0, 7, 0)[3:]
 
 
 def gpus(n):
@@ -179,3 +180,172 @@ def test_tir_mode_runs_through_train_rl(tiny_model_dir, tmp_path, parity):
     assert torch.isfinite(torch.tensor(step["loss"])) and "code_use_rate" in step
     for line in open(tmp_path / "run" / "metrics.jsonl"):  # strict JSON: no NaN for empty-subset rates
         json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl"))
+
+
+# ---- issue 13: the RL loop's correctness -----------------------------------------------------------
+
+def test_trained_models_keep_fp32_master_weights_on_gpu(monkeypatch):
+    import contextlib
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available" when autocast is built on a CPU machine
+        dtype, autocast = models.train_precision("cuda:0")
+        assert dtype == torch.float32 and autocast.device == "cuda" and autocast.fast_dtype == torch.bfloat16
+        assert models.train_precision("cuda:1", bf16_weights=True)[0] == torch.bfloat16
+        loaded = []
+        monkeypatch.setattr(models, "load_model", lambda name, device, dtype=None, device_map=None: loaded.append(dtype))
+        models.load_policy_model("any", ["cuda:0"])  # the policy's default is the training dtype, not bf16
+        assert loaded == [torch.float32]
+    dtype, autocast = models.train_precision("cpu", bf16_weights=True)
+    assert dtype == torch.float32 and isinstance(autocast, contextlib.nullcontext)
+
+
+class Spy:
+    """Wraps a function, recording its arguments and results."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __call__(self, *args, **kwargs):
+        result = self.fn(*args, **kwargs)
+        self.calls.append((args, kwargs, result))
+        return result
+
+
+def plain_log_probs(model, prompt, response, temperature):
+    """log_softmax(logits / T) of one plain forward over prompt + response, at the response tokens."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def test_every_log_prob_the_loss_sees_is_of_the_sampled_temperature(tiny_model_dir, tmp_path, parity, monkeypatch):
+    log_probs, step = Spy(train_rl.rollout_log_probs), Spy(train_rl.grpo_microbatch_train_step)
+    monkeypatch.setattr(train_rl, "rollout_log_probs", log_probs)
+    monkeypatch.setattr(train_rl, "grpo_microbatch_train_step", step)
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, sampling_temperature=0.7, kl_coef=0.1))
+    start = models.load_model(tiny_model_dir)  # on-policy step 1: policy = old = reference = the start
+    policy_calls = [c for c in log_probs.calls if c[1].get("return_token_entropy")]
+    assert len(policy_calls) == len(step.calls) == 2
+    for (args, _, _), (loss_args, loss_kwargs, _) in zip(policy_calls, step.calls):
+        prompts, responses = args[1], args[2]
+        seen = {"policy": loss_args[0], "old": loss_kwargs["old_log_probs"], "reference": loss_kwargs["ref_log_probs"]}
+        for row, (prompt, response) in enumerate(zip(prompts, responses)):
+            expected = plain_log_probs(start, prompt, response, 0.7)
+            for name, tensor in seen.items():
+                torch.testing.assert_close(tensor[row, :len(response)].detach(), expected, atol=1e-4, rtol=0,
+                                           msg=f"{name} log-probs are not log_softmax(logits / 0.7)")
+
+
+def test_resume_keeps_the_kl_reference_at_the_starting_model(tiny_model_dir, tmp_path, parity, monkeypatch):
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, kl_coef=0.1))
+    spy = Spy(train_rl._optimizer_step)
+    monkeypatch.setattr(train_rl, "_optimizer_step", spy)
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2, kl_coef=0.1, resume=str(tmp_path / "run")))
+    reference = spy.calls[0][0][3]
+    start, resumed_from = models.load_model(tiny_model_dir), models.load_model(str(tmp_path / "run" / "checkpoint"))
+    assert any(not torch.equal(p, q) for p, q in zip(start.parameters(), resumed_from.parameters()))
+    for (name, p), q in zip(start.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), f"the reference moved off the starting model at {name}"
+
+
+def plus_minus_one_by_sample(pattern):
+    """A ToRL-style +1/-1 reward that is right for sample k of a group when pattern(call, k) says so."""
+    calls = {"n": 0}
+
+    def reward(row, truth):
+        calls["n"] += 1
+        right = pattern(calls["n"], row.trace_id % 4)
+        return {"format_reward": 1.0, "answer_reward": float(right), "reward": 1.0 if right else -1.0}
+    return reward
+
+
+def test_dynamic_sampling_filters_on_accuracy_and_refills_the_batch(tiny_model_dir, tmp_path, monkeypatch):
+    # Round 1 of each step: every answer wrong (reward -1, no signal). Later rounds: accuracy 0.5 per
+    # group (mean reward 0, which a filter on raw rewards with low = 0.2 would drop).
+    pattern = lambda call, k: (call - 1) % 16 >= 8 and k < 2  # noqa: E731  8 traces per round, 2 rounds a step
+    monkeypatch.setattr(train_rl, "make_scorer", lambda args: plus_minus_one_by_sample(pattern))
+    args = tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2, filter_low=0.2, filter_high=0.8)
+    train_rl.main(args)
+    steps = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["sampling_rounds"] == 2 and m["questions_sampled"] == 4 and m["kept_traces"] == 8
+        assert m["grad_norm"] > 0
+    prompts = [r["prompt"] for r in read_jsonl(tmp_path / "run" / "rollouts.jsonl")]
+    assert len(prompts) == 2 * args.log_rollouts
+
+
+def test_trace_length_normaliser_and_logged_means_count_only_trained_tokens(tiny_model_dir, tmp_path, parity, monkeypatch):
+    standard = train_rl.ROLLOUT_MODES["standard"]
+
+    def with_forced_tokens(*args, **kwargs):  # every row's second token is forced (loss mask 0), as tool output
+        rows = standard(*args, **kwargs)
+        for row in rows:
+            row.loss_mask = [0 if i == 1 else 1 for i in range(len(row.response_ids))]
+        return rows
+    monkeypatch.setitem(train_rl.ROLLOUT_MODES, "standard", with_forced_tokens)
+    step = Spy(train_rl.grpo_microbatch_train_step)
+    monkeypatch.setattr(train_rl, "grpo_microbatch_train_step", step)
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, loss_agg_mode="trace-length", kl_coef=0.1,
+                            train_mini_batch_size=2))
+    kl_sum = tokens = 0
+    for args, kwargs, (_, meta) in step.calls:
+        mask = args[1]
+        torch.testing.assert_close(kwargs["trace_lengths"].float(), mask.sum(-1).float())
+        kl_sum, tokens = kl_sum + meta["kl"] * mask.sum().item(), tokens + mask.sum().item()
+    [logged] = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
+    assert logged["kl"] == pytest.approx(kl_sum / tokens)  # weighted by tokens, not by microbatch
+
+
+def test_off_policy_epochs_shuffle_the_minibatches(tiny_model_dir, tmp_path, parity, monkeypatch):
+    spy = Spy(train_rl._optimizer_step)
+    monkeypatch.setattr(train_rl, "_optimizer_step", spy)
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, rollout_batch_size=16, train_batch_size=4,
+                            epochs_per_rollout_batch=2))
+    batches = [tuple(call[0][5]) for call in spy.calls]  # batch_traces of each optimizer step
+    assert len(batches) == 8
+    first, second = batches[:4], batches[4:]
+    assert sorted(sum(first, ())) == sorted(sum(second, ())) == list(range(16))  # each epoch sees every trace
+    assert first != second
+
+
+def test_weights_are_pushed_once_per_policy_version():
+    loads = []
+    sampler = type("Sampler", (), {"load_weights": lambda self, state: loads.append(1)})()
+    policy = torch.nn.Linear(2, 2)
+    push = train_rl.WeightPush(policy)
+    assert push(sampler) == 0.0 and loads == []  # loaded from the same weights
+    push.policy_changed()
+    push(sampler), push(sampler)  # the step's push, then evaluation right after it
+    assert loads == [1]
+    shared = type("Shared", (), {"model": policy, "load_weights": lambda self, state: loads.append(2)})()
+    push.policy_changed()
+    push(shared)
+    assert loads == [1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "nobody/no-such-model"], "could not be fetched from the Hugging Face hub"),
+    (["--dataset", "no_such_set"], "unknown dataset 'no_such_set'"),
+    (["--resume", "{tmp}/empty"], "has no trainer_state.pt"),
+    (["--dataset", "gsm8k", "--data_dir", "{tmp}/data"], "is not valid JSON"),
+])
+def test_user_errors_end_in_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys, argv, message):
+    import huggingface_hub.constants
+    from alignment.errors import cli
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no 60 s of retries
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "data" / "gsm8k").mkdir(parents=True)
+    for split in ("train", "test"):
+        (tmp_path / "data" / "gsm8k" / f"{split}.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n{oops\n')
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    if "--model" not in argv:
+        argv += ["--model", tiny_model_dir]
+    args = parse(RLArgs, argv + ["--output_dir", str(tmp_path / "run"), "--eval_every", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        cli(train_rl.main, args)
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and "Traceback" not in err and last.startswith("error: ") and message in last, err

@@ -1,0 +1,26 @@
+"""Errors the user can fix, and the command-line wrapper that prints them as one line.
+
+A bad flag, a missing file, an unknown model or dataset: each raises `UserError` (or `MissingFileError`)
+with one sentence that says what to do. `cli(main, args)` runs a script's `main` and turns those into
+`error: <sentence>` on stderr and exit status 2, without a traceback; any other exception is a bug and
+keeps its traceback. Both subclass the builtin errors they replace, so `except ValueError` still works.
+"""
+
+import sys
+
+
+class UserError(ValueError):
+    """A problem in what the user asked for; the message says what to change."""
+
+
+class MissingFileError(UserError, FileNotFoundError):
+    """A file or folder the user pointed at (or must create first) is not there."""
+
+
+def cli(main, args):
+    """Run `main(args)`; a UserError ends the program with its one sentence and exit status 2."""
+    try:
+        return main(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
