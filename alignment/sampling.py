@@ -23,6 +23,7 @@ samples on replay (resume), whatever else is in the batch.
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -232,7 +233,7 @@ class VLLMSampler:
     """
 
     def __init__(self, model_path: str, device: str = "cuda", gpu_memory_utilization: float = 0.85,
-                 kv_cache_gib: float | None = None, max_model_len: int | None = None, seed: int = 0,
+                 kv_cache_gib: int | None = None, max_model_len: int | None = None, seed: int = 0,
                  dtype: str | None = None, enforce_eager: bool = False, progress: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         on_gpu = torch.device(device).type == "cuda"
@@ -279,6 +280,27 @@ class VLLMSampler:
         return Completion(token_ids=list(output.token_ids), text=output.text, finish_reason=output.finish_reason,
                           stop_reason=output.stop_reason if isinstance(output.stop_reason, str) else None,
                           logprobs=logprobs)
+
+
+class WeightPush:
+    """Pushes the policy's weights to samplers that hold their own copy (vLLM, or HF on another device),
+    once per policy version: a sampler already in sync is not pushed again (e.g. evaluation right after
+    the step's push), and one that shares the policy's modules never is."""
+
+    def __init__(self, policy):
+        self.policy, self.version, self.pushed = policy, 0, {}
+
+    def policy_changed(self):
+        self.version += 1
+
+    def __call__(self, sampler) -> float:
+        """Bring `sampler` up to date; the seconds it took."""
+        if getattr(sampler, "model", None) is self.policy or self.pushed.get(id(sampler), 0) == self.version:
+            return 0.0
+        start = time.perf_counter()
+        sampler.load_weights(self.policy.state_dict())
+        self.pushed[id(sampler)] = self.version
+        return time.perf_counter() - start
 
 
 def make_sampler(backend: str, model, tokenizer, model_path: str | None = None, device: str = "cpu",

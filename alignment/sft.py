@@ -31,7 +31,7 @@ from alignment.args import SFTArgs, parse
 from alignment.errors import MissingFileError, UserError, cli
 from alignment.evaluate import evaluate
 from alignment.grpo import sft_microbatch_train_step
-from alignment.sampling import HFSampler, SamplingParams
+from alignment.sampling import SamplingParams, WeightPush, make_sampler, pick_backend
 from alignment.tokens import get_response_log_probs, tokenize_prompt_and_output
 
 CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")  # GSM8K's `<<48/2=24>>`
@@ -75,13 +75,13 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def run_eval(model, tokenizer, rows, args: SFTArgs, autocast) -> tuple[dict, list[dict]]:
-    """Greedy r1_zero evaluation with the policy itself as the sampler."""
+def run_eval(model, sampler, push: WeightPush, tokenizer, rows, args: SFTArgs, autocast) -> tuple[dict, list[dict]]:
+    """Greedy r1_zero evaluation: the HF sampler runs the policy itself; a vLLM engine gets its weights first."""
+    push(sampler)
     model.eval()
     params = SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens, seed=args.seed)
     with autocast:
-        summary, records = evaluate(HFSampler(model, tokenizer, batch_size=args.eval_batch_size), tokenizer,
-                                    rows, "r1_zero", params)
+        summary, records = evaluate(sampler, tokenizer, rows, "r1_zero", params)
     model.train()
     return summary, records
 
@@ -136,6 +136,10 @@ def main(args: SFTArgs) -> dict:
         model.gradient_checkpointing_enable()
     model.train()
 
+    backend = pick_backend(args.backend, input_device)
+    sampler = make_sampler(backend, model, tokenizer, models.resolve_model(source), input_device,
+                           batch_size=args.eval_batch_size, seed=args.seed, **args.vllm_options())
+    push = WeightPush(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps))
     start_step, metric_lines = 0, []
@@ -153,7 +157,7 @@ def main(args: SFTArgs) -> dict:
           f"warmup {warmup_steps}, policy on {', '.join(roles['policy'])}, starting at step {start_step}")
 
     def evaluate_and_log(step: int) -> dict:
-        summary, records = run_eval(model, tokenizer, eval_rows, args, autocast)
+        summary, records = run_eval(model, sampler, push, tokenizer, eval_rows, args, autocast)
         print(f"[eval] step {step} | format {summary['avg_format_rewards']:.3f} | answer "
               f"{summary['avg_answer_rewards']:.3f} | reward {summary['avg_all_rewards']:.3f} | len "
               f"{summary['mean_response_tokens']:.0f} | {summary['generation_s']:.0f}s")
@@ -193,6 +197,7 @@ def main(args: SFTArgs) -> dict:
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
+        push.policy_changed()
         seconds = time.perf_counter() - step_start
         record = {"step": step + 1, "loss": nll / max(n_response_tokens, 1), "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": n_tokens / seconds, "response_tokens": n_response_tokens, "seconds": seconds}

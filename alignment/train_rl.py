@@ -33,7 +33,7 @@ from alignment.errors import MissingFileError, UserError, cli
 from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts, evaluate
 from alignment.grpo import compute_group_normalized_rewards, filter_groups, grpo_microbatch_train_step
 from alignment.rollout import traces
-from alignment.sampling import HFSampler, SamplingParams, derive_seed, make_sampler, pick_backend
+from alignment.sampling import HFSampler, SamplingParams, WeightPush, derive_seed, make_sampler, pick_backend
 from alignment.tokens import rollout_log_probs
 
 # Flags that may differ between a run and its resumption; everything else must match.
@@ -114,27 +114,6 @@ def setup_run(args: RLArgs) -> tuple[Path, str, dict | None]:
     return run_dir, model, None
 
 
-class WeightPush:
-    """Pushes the policy's weights to samplers that hold their own copy (vLLM, or HF on another device),
-    once per policy version: a sampler already in sync is not pushed again (e.g. evaluation right after
-    the step's push), and one that shares the policy's modules never is."""
-
-    def __init__(self, policy):
-        self.policy, self.version, self.pushed = policy, 0, {}
-
-    def policy_changed(self):
-        self.version += 1
-
-    def __call__(self, sampler) -> float:
-        """Bring `sampler` up to date; the seconds it took."""
-        if getattr(sampler, "model", None) is self.policy or self.pushed.get(id(sampler), 0) == self.version:
-            return 0.0
-        start = time.perf_counter()
-        sampler.load_weights(self.policy.state_dict())
-        self.pushed[id(sampler)] = self.version
-        return time.perf_counter() - start
-
-
 def main(args: RLArgs) -> dict:
     run_dir, start_model, state = setup_run(args)
     weights_from = str(run_dir / "checkpoint") if state else start_model
@@ -164,9 +143,7 @@ def main(args: RLArgs) -> dict:
                             models.load_model(weights_from, roles["sample"]), tokenizer, args.sample_batch_size)
     else:
         sampler = make_sampler(backend, None, tokenizer, models.resolve_model(weights_from), roles["sample"],
-                               seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
-                               kv_cache_gib=args.kv_cache_gib, enforce_eager=args.vllm_enforce_eager,
-                               max_model_len=args.vllm_max_model_len)
+                               seed=args.seed, **args.vllm_options())
     reference = models.load_model(start_model, roles["reference"]) if args.kl_coef > 0 else None
     eval_sampler = sampler if roles["eval"] == roles["sample"] else HFSampler(
         policy if roles["eval"] in roles["policy"] else models.load_model(weights_from, roles["eval"]), tokenizer)
@@ -208,11 +185,10 @@ def main(args: RLArgs) -> dict:
     for step in bar:
         # 1-2. Sample and score groups until the batch holds enough informative ones (one round
         # without dynamic sampling); group-normalised advantages, one per trace.
-        start = time.perf_counter()
         policy.eval()
         with autocast:
             batch, drawn = collect_rollouts(args, step, drawn, train_rows, sampler, tokenizer, score)
-        times = {"sample": time.perf_counter() - start}
+        times = dict(batch["seconds"])  # sample, score
 
         # 3. Policy update: epochs x train batches x microbatches.
         start = time.perf_counter()
@@ -266,13 +242,16 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     the kept groups are cut to one batch. Rewards are logged over every sampled trace.
 
     batch = {"traces": kept traces (lists of rows), "advantages"/"raw_rewards": (kept traces,),
-             "metrics": reward and sampling numbers, "samples": full rollouts for rollouts.jsonl}.
+             "metrics": reward and sampling numbers, "samples": full rollouts for rollouts.jsonl,
+             "seconds": {"sample", "score"}}.
     """
     questions = args.rollout_batch_size // args.group_size
     filtering = args.filter_low is not None or args.filter_high is not None
     stop = PROMPT_SETTINGS[args.prompt][1]
     kept, advantages, raw_rewards, metas, samples, mode_rows, lengths = [], [], [], [], [], [], []
+    seconds = {"sample": 0.0, "score": 0.0}
     for sampling_round in range(1, args.max_sampling_rounds + 1):
+        start = time.perf_counter()
         batch = questions_at(rows, drawn, questions, args.seed)
         drawn += questions
         prompt_texts, prompt_ids = build_prompts(tokenizer, batch, args.prompt, args.chat_template)
@@ -280,6 +259,8 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
                                 max_tokens=args.sampling_max_tokens, stop=stop, logprobs=True,
                                 seed=derive_seed(args.seed, step, sampling_round))
         round_traces = traces(ROLLOUT_MODES[args.rollout_mode](sampler, tokenizer, prompt_ids, params, args))
+        seconds["sample"] += time.perf_counter() - start
+        start = time.perf_counter()
         scores = []
 
         def score_and_keep(row, truth):
@@ -293,6 +274,7 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
             accuracy = torch.tensor([float(s["answer_reward"]) for s in scores])
             keep = filter_groups(raw, args.group_size, args.filter_low, args.filter_high, accuracy=accuracy)
         metas.append(meta)
+        seconds["score"] += time.perf_counter() - start
         mode_rows += [t[-1] for t in round_traces]
         lengths += [sum(sum(r.loss_mask) for r in t) for t in round_traces]  # sampled tokens per trace
         samples += [{"prompt": prompt_texts[t[-1].group_id], "response": t[-1].text, "reward": r,
@@ -313,7 +295,8 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     if args.rollout_mode == "tir":
         metrics.update(tir.tir_metrics(mode_rows, [s["reward"] for s in samples]))
     batch = {"traces": kept, "advantages": torch.stack(advantages) if kept else torch.zeros(0),
-             "raw_rewards": torch.stack(raw_rewards) if kept else torch.zeros(0), "metrics": metrics, "samples": samples}
+             "raw_rewards": torch.stack(raw_rewards) if kept else torch.zeros(0), "metrics": metrics, "samples": samples,
+             "seconds": seconds}
     return batch, drawn
 
 

