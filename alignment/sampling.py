@@ -243,7 +243,10 @@ class VLLMSampler:
         from vllm import LLM
         if on_gpu:  # the engine takes the current GPU: make it the sampler's
             torch.cuda.set_device(torch.device(device))
-        options = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {}
+        # CPU: no chunked prefill. vLLM 0.32 rewinds a seeded request's generator after a partial prefill,
+        # which CPU generators cannot do ("CPU Generator does not use offset"): a batch bigger than one
+        # step's token budget would crash. Whole prompts per step instead.
+        options = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {"enable_chunked_prefill": False}
         self.llm = LLM(model=model_path, dtype=dtype or ("bfloat16" if on_gpu else "float32"), seed=seed,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
                        logprobs_mode="processed_logprobs", **options)

