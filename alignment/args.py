@@ -106,7 +106,7 @@ class EvalArgs(SamplerArgs, RolloutArgs):
 
 @dataclass
 class RLArgs(SamplerArgs, RolloutArgs):
-    """Policy-gradient RL (REINFORCE, REINFORCE with a group baseline, GRPO-clip) on math questions."""
+    """Policy-gradient RL on math questions: REINFORCE, REINFORCE with a group baseline, GRPO-clip, GSPO; advantages from group normalisation, RLOO, REINFORCE++ or PPO's GAE with a critic."""
 
     model: str | None = arg(None, "policy to start from (default checkpoints/math_sft if it exists, else smollm2-135m)")
     dataset: str = arg("rg:chain_sum:max_terms=3,max_digits=1", "training questions: gsm8k, a MATH-style set, or rg:<task>[:key=value,...] (reasoning-gym)")
@@ -115,7 +115,10 @@ class RLArgs(SamplerArgs, RolloutArgs):
     rg_size: int = arg(2000, "problems generated for an rg: dataset")
     prompt: str = arg("r1_zero", "prompt template (r1_zero, question_only, tir); picks the reward function")
     chat_template: bool = arg(False, "wrap the filled prompt in the tokenizer's chat template")
-    loss_type: str = arg("grpo_clip", "no_baseline, reinforce_with_baseline or grpo_clip")
+    loss_type: str = arg("grpo_clip", "no_baseline, reinforce_with_baseline, grpo_clip (PPO's clipped token ratio) or gspo (clipped sequence ratio)")
+    advantage_estimator: str = arg("grpo", "grpo (group-normalised), rloo (leave-one-out), reinforce_pp, reinforce_pp_baseline (REINFORCE++) or gae (PPO with a critic)")
+    gamma: float = arg(1.0, "discount for reinforce_pp and gae")
+    lam: float = arg(1.0, "GAE's lambda (1: Monte Carlo returns minus the value; verl's default 1, PPO's 0.95)")
     group_size: int = arg(4, "responses sampled per question (the group that shares a baseline)")
     rollout_batch_size: int = arg(32, "responses per RL step (questions per step = this / group_size)")
     train_batch_size: int = arg(32, "responses per optimizer step; rollout_batch_size / this = optimizer steps per epoch")
@@ -126,7 +129,16 @@ class RLArgs(SamplerArgs, RolloutArgs):
     use_std_normalization: bool = arg(False, "divide advantages by the group std (GRPO); off as Dr. GRPO recommends")
     advantage_eps: float = arg(1e-6, "added to the group std before dividing")
     loss_agg_mode: str = arg("seq-mean-token-mean", "seq-mean-token-mean, token-mean, seq-mean-token-sum-norm or trace-length")
-    kl_coef: float = arg(0.0, "k3 KL penalty to the frozen starting policy (0: no reference model is loaded)")
+    kl_coef: float = arg(0.0, "KL penalty to the frozen starting policy (0: no reference model is loaded)")
+    kl_estimator: str = arg("k3", "KL estimator: k1 (log-ratio), k2 (half squared log-ratio) or k3 (exp(r) - r - 1, GRPO's)")
+    kl_in_reward: bool = arg(False, "subtract kl_coef * KL from each token's reward (PPO, REINFORCE++) instead of adding it to the loss")
+    entropy_coef: float = arg(0.0, "entropy bonus: subtract this times the token entropy from the loss")
+    critic_model: str | None = arg(None, "gae: the critic's starting weights (default: the policy's starting model) and a zero value head")
+    critic_device: str | None = arg(None, "gae: device of the critic (default: the reference model's)")
+    critic_learning_rate: float = arg(1e-5, "gae: the critic's AdamW learning rate")
+    cliprange_value: float = arg(0.5, "gae: clip of the value update around the old values (PPO)")
+    value_loss_coef: float = arg(1.0, "gae: weight of the value loss in the critic's backward pass")
+    critic_warmup_steps: int = arg(0, "gae: steps that train only the critic before the policy starts to learn")
     filter_low: float | None = arg(None, "dynamic sampling: drop groups whose accuracy (answer reward) is below this (ZeroTIR: 0.2; 0 drops only all-equal groups); groups with equal rewards are always dropped then")
     filter_high: float | None = arg(None, "dynamic sampling: drop groups whose accuracy is above this (ZeroTIR: 0.8)")
     max_sampling_rounds: int = arg(3, "dynamic sampling: rounds of fresh questions per step to fill the batch with kept groups (DAPO's refill)")
@@ -154,8 +166,22 @@ class RLArgs(SamplerArgs, RolloutArgs):
 
     def check(self):
         self.check_rollout()
-        if self.loss_type not in ("no_baseline", "reinforce_with_baseline", "grpo_clip"):
-            raise ValueError(f"--loss_type {self.loss_type!r} is not one of no_baseline, reinforce_with_baseline, grpo_clip.")
+        if self.loss_type not in ("no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo"):
+            raise ValueError(f"--loss_type {self.loss_type!r} is not one of no_baseline, reinforce_with_baseline, grpo_clip, gspo.")
+        estimators = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+        if self.advantage_estimator not in estimators:
+            raise ValueError(f"--advantage_estimator {self.advantage_estimator!r} is not one of {', '.join(estimators)}.")
+        per_token = self.advantage_estimator in ("reinforce_pp", "reinforce_pp_baseline", "gae")
+        if per_token and self.rollout_mode == "delethink":
+            raise ValueError(f"--advantage_estimator {self.advantage_estimator} runs its recursion over one row per trace, "
+                             f"but delethink spreads a trace over several rows: use grpo or rloo.")
+        if per_token and self.loss_type == "gspo":
+            raise ValueError("gspo weighs whole sequences, so it needs one advantage per trace: use "
+                             "--advantage_estimator grpo or rloo.")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"--kl_estimator {self.kl_estimator!r} is not one of k1, k2, k3.")
+        if self.kl_in_reward and self.kl_coef <= 0:
+            raise ValueError("--kl_in_reward needs --kl_coef > 0 (the weight of the penalty).")
         if self.rollout_batch_size % self.group_size:
             raise ValueError(f"--rollout_batch_size {self.rollout_batch_size} must be a multiple of --group_size {self.group_size}.")
         if self.rollout_batch_size % self.train_batch_size:
@@ -165,7 +191,7 @@ class RLArgs(SamplerArgs, RolloutArgs):
         if self.train_batch_size % self.train_mini_batch_size:
             raise ValueError(f"--train_batch_size {self.train_batch_size} must be a multiple of --train_mini_batch_size {self.train_mini_batch_size}.")
         off_policy = self.epochs_per_rollout_batch > 1 or self.rollout_batch_size > self.train_batch_size
-        if off_policy and self.loss_type != "grpo_clip":
+        if off_policy and self.loss_type not in ("grpo_clip", "gspo"):
             raise ValueError(f"{self.loss_type} has no importance ratio, so it must stay on-policy: use "
                              f"--epochs_per_rollout_batch 1 and --train_batch_size {self.rollout_batch_size}, or --loss_type grpo_clip.")
         if self.loss_agg_mode not in ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "trace-length"):

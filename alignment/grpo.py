@@ -14,7 +14,9 @@ from collections.abc import Callable
 import einx
 import torch
 
-LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
+from alignment.estimators import compute_gspo_loss, kl_penalty
+
+LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo")
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "trace-length")
 
 
@@ -120,10 +122,15 @@ def _masked_sum(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 def compute_naive_policy_gradient_loss(raw_rewards_or_advantages: torch.Tensor,
                                        policy_log_probs: torch.Tensor) -> torch.Tensor:
-    """REINFORCE per-token loss -A * log pi(o_t) (B, T); A is (B, 1) (a (B,) vector is accepted).
-    With raw rewards this is vanilla REINFORCE; with group-centred rewards, REINFORCE with a baseline."""
-    advantages = raw_rewards_or_advantages.reshape(-1, 1)  # (B, 1)
-    return -advantages * policy_log_probs
+    """REINFORCE per-token loss -A * log pi(o_t) (B, T); A is (B, 1) (a (B,) vector is accepted) or
+    per token, (B, T) (GAE, REINFORCE++). With raw rewards this is vanilla REINFORCE; with group-centred
+    rewards, REINFORCE with a baseline."""
+    return -_per_row(raw_rewards_or_advantages) * policy_log_probs
+
+
+def _per_row(advantages: torch.Tensor) -> torch.Tensor:
+    """(B,) -> (B, 1); (B, 1) and per-token (B, T) advantages are used as they are."""
+    return advantages[:, None] if advantages.dim() == 1 else advantages
 
 
 def compute_grpo_clip_loss(advantages: torch.Tensor, policy_log_probs: torch.Tensor,
@@ -138,7 +145,7 @@ def compute_grpo_clip_loss(advantages: torch.Tensor, policy_log_probs: torch.Ten
     a bool (B, T) tensor: True where the clipped term is the smaller one, i.e. the token gets no gradient.
     """
     high = cliprange if cliprange_high is None else cliprange_high
-    advantages = advantages.reshape(-1, 1)  # (B, 1)
+    advantages = _per_row(advantages)  # (B, 1) or (B, T)
     ratio = torch.exp(_clamped_log_ratio(policy_log_probs, old_log_probs))  # (B, T)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - cliprange, 1 + high) * advantages
@@ -154,11 +161,14 @@ def compute_policy_gradient_loss(
     cliprange: float | None = None,
     *,
     cliprange_high: float | None = None,
+    response_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Per-token loss (B, T) and metadata for `loss_type`; the one place that branches on it.
 
     no_baseline uses raw_rewards; reinforce_with_baseline uses advantages; grpo_clip uses advantages,
-    old_log_probs, cliprange (and cliprange_high). Arguments a loss type does not use are ignored.
+    old_log_probs, cliprange (and cliprange_high); gspo uses advantages (one per row), old_log_probs,
+    cliprange and response_mask (its ratio is a mean over the row). Arguments a loss type does not use
+    are ignored.
     """
     if loss_type == "no_baseline":
         _require(loss_type, raw_rewards=raw_rewards)
@@ -170,6 +180,13 @@ def compute_policy_gradient_loss(
         _require(loss_type, advantages=advantages, old_log_probs=old_log_probs, cliprange=cliprange)
         return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange,
                                       cliprange_high=cliprange_high)
+    elif loss_type == "gspo":
+        _require(loss_type, advantages=advantages, old_log_probs=old_log_probs, cliprange=cliprange,
+                 response_mask=response_mask)
+        if advantages.dim() == 2 and advantages.shape[1] > 1:
+            raise ValueError("gspo takes one advantage per sequence, not per token; use a sequence-level "
+                             "estimator (grpo, rloo)")
+        return compute_gspo_loss(advantages, policy_log_probs, old_log_probs, response_mask, cliprange)
     raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
 
 
@@ -190,9 +207,9 @@ def _clamped_log_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> to
 
 def approx_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || pi_ref): exp(r) - r - 1 with r = log pi_ref - log pi.
-    Unbiased and always >= 0 (Schulman, "Approximating KL divergence", 2020; DeepSeekMath eq. 4)."""
-    log_ratio = _clamped_log_ratio(ref_log_probs, policy_log_probs)
-    return torch.exp(log_ratio) - log_ratio - 1
+    Unbiased and always >= 0 (Schulman, "Approximating KL divergence", 2020; DeepSeekMath eq. 4).
+    The other estimators: `estimators.kl_penalty`."""
+    return kl_penalty(policy_log_probs, ref_log_probs, "k3")
 
 
 def aggregate_loss(
@@ -286,6 +303,9 @@ def grpo_microbatch_train_step(
     cliprange_high: float | None = None,
     kl_coef: float = 0.0,
     ref_log_probs: torch.Tensor | None = None,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    token_entropy: torch.Tensor | None = None,
     max_response_length: int | None = None,
     num_tokens: int | None = None,
     trace_lengths: torch.Tensor | None = None,
@@ -297,20 +317,26 @@ def grpo_microbatch_train_step(
     divided by gradient_accumulation_steps. Gradients accumulate in place across calls. The keyword-only
     arguments select the extensions; see `aggregate_loss` for the modes and how each one splits over
     microbatches (pass the whole train batch's `num_tokens` / `num_traces`, not the microbatch's).
-    With `ref_log_probs` the mean k3 KL to the reference policy is reported, and `kl_coef` * KL is added
-    to every token's loss (GRPO, DeepSeekMath eq. 3; most recent recipes use 0).
+    With `ref_log_probs` the mean KL to the reference policy (`kl_estimator` k1, k2 or k3) is reported,
+    and `kl_coef` * KL is added to every token's loss (GRPO, DeepSeekMath eq. 3; most recent recipes use
+    0). With `entropy_coef` > 0, `entropy_coef` * `token_entropy` (differentiable) is subtracted: an
+    entropy bonus (PPO, Schulman et al. 2017, eq. 9).
 
     Returns (the scaled loss that was backpropagated, detached; metadata with clip_fraction over
     response tokens for grpo_clip, and kl when ref_log_probs is given).
     """
     if kl_coef and ref_log_probs is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_log_probs from the frozen reference policy")
+    if entropy_coef and token_entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs token_entropy (with gradient)")
     per_token_loss, loss_metadata = compute_policy_gradient_loss(
         policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange,
-        cliprange_high=cliprange_high)
+        cliprange_high=cliprange_high, response_mask=response_mask)
     metadata = {}
+    if entropy_coef:
+        per_token_loss = per_token_loss - entropy_coef * token_entropy
     if ref_log_probs is not None:
-        kl = approx_kl(policy_log_probs, ref_log_probs)  # (B, T)
+        kl = kl_penalty(policy_log_probs, ref_log_probs, kl_estimator)  # (B, T)
         if kl_coef:
             per_token_loss = per_token_loss + kl_coef * kl
         metadata["kl"] = _mean_over_mask(kl.detach(), response_mask)

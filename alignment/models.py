@@ -13,7 +13,8 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
+                          LlamaForCausalLM)
 
 from alignment.errors import MissingFileError, UserError
 
@@ -138,14 +139,32 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
     return model.eval()
 
 
+def load_critic(name: str, device: str = "cpu", dtype: torch.dtype | None = None):
+    """A value model (PPO's critic): the policy's architecture with a scalar head on every position
+    (transformers' token-classification model with one label, no dropout), in train-precision. From a
+    causal-LM checkpoint the backbone is copied and the head starts at zero, so every first value is 0
+    (GAE then starts as the plain return-to-go); from a saved critic both come back."""
+    path = resolve_model(name)
+    config = _from_pretrained(AutoConfig, path, num_labels=1)
+    config.classifier_dropout = 0.0  # the head's dropout would make every value estimate noisy
+    model, info = _from_pretrained(AutoModelForTokenClassification, path, config=config,
+                                   dtype=dtype or train_precision(device)[0], output_loading_info=True)
+    if any(key.startswith("score.") for key in info["missing_keys"]):
+        torch.nn.init.zeros_(model.score.weight)
+        torch.nn.init.zeros_(model.score.bias)
+    return model.to(device)
+
+
 def load_policy(name: str, device: str = "cpu", dtype: torch.dtype | None = None):
     return load_model(name, device, dtype), load_tokenizer(name)
 
 
-def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None = None, extra: dict | None = None):
+def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None = None, extra: dict | None = None,
+                    submodels: dict | None = None):
     """Write weights + tokenizer + resolved config atomically: a crash mid-save leaves the old copy.
 
-    `extra` maps file names to objects saved with torch.save next to the weights (optimizer, RNG, ...).
+    `extra` maps file names to objects saved with torch.save next to the weights (optimizer, RNG, ...);
+    `submodels` maps folder names to more models saved inside it in HF format (the critic).
     """
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -157,6 +176,8 @@ def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None =
         (tmp / "run_config.json").write_text(json.dumps(config, indent=2, default=str))
     for file_name, obj in (extra or {}).items():
         torch.save(obj, tmp / file_name)
+    for folder, submodel in (submodels or {}).items():
+        submodel.save_pretrained(tmp / folder)
     old = out_dir.with_name(out_dir.name + ".old")
     if out_dir.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -170,16 +191,17 @@ def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None =
 
 
 def assign_device_roles(devices: list[str], sample: str | None = None, reference: str | None = None,
-                        eval: str | None = None) -> dict:
-    """Who runs where: {"policy": [devices], "sample": d, "reference": d, "eval": d}.
+                        eval: str | None = None, critic: str | None = None) -> dict:
+    """Who runs where: {"policy": [devices], "sample": d, "reference": d, "eval": d, "critic": d}.
 
     The seed's layout: with 4+ GPUs the sampler, the frozen reference/old-policy model and evaluation
     each get their own GPU (the last three) and the policy is split over every other GPU; with fewer
     GPUs the roles share (2: policy on the first, the rest on the second; 1 or CPU only: all together).
-    Explicit choices win; the policy takes every GPU no role was given.
+    The critic (PPO with GAE only) shares the reference's GPU unless given its own. Explicit choices win;
+    the policy takes every GPU no role was given.
     """
     gpus = [d for d in devices if d.startswith("cuda")]
-    for name, choice in (("sample", sample), ("reference", reference), ("eval", eval)):
+    for name, choice in (("sample", sample), ("reference", reference), ("eval", eval), ("critic", critic)):
         if choice is not None and choice not in devices:
             raise UserError(f"--{name}_device {choice!r} does not exist here; available: {', '.join(devices)}.")
     if not gpus:
@@ -194,6 +216,7 @@ def assign_device_roles(devices: list[str], sample: str | None = None, reference
         defaults = {"sample": gpus[-3], "reference": gpus[-2], "eval": gpus[-1]}
     roles = {"sample": sample or defaults["sample"], "reference": reference or defaults["reference"],
              "eval": eval or defaults["eval"]}
+    roles["critic"] = critic or roles["reference"]
     taken = set(roles.values())
     policy = [g for g in gpus if g not in taken] or [gpus[0] if gpus else "cpu"]
     return {"policy": policy, **roles}
@@ -220,7 +243,6 @@ def load_policy_model(name: str, policy_devices: list[str], dtype: torch.dtype |
     dtype = dtype or train_precision(policy_devices[0])[0]
     if len(policy_devices) == 1:
         return load_model(name, policy_devices[0], dtype)
-    from transformers import AutoConfig
     num_layers = AutoConfig.from_pretrained(resolve_model(name)).num_hidden_layers
     device_map = partition_layers(num_layers, policy_devices)
     return load_model(name, policy_devices[0], dtype, device_map=device_map)

@@ -69,12 +69,14 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
 
 
 def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]],
-                      return_token_entropy: bool = False, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+                      return_token_entropy: bool = False, temperature: float = 1.0,
+                      entropy_grad: bool = False) -> dict[str, torch.Tensor]:
     """log pi(response_t | prompt, response_<t) for rows given as token ids, (B, T) right-padded to the
     longest response (padding reads 0), differentiable; optionally `token_entropy` (B, T), no gradient.
     pi is softmax(logits / temperature): pass the sampling temperature, so that the current, old and
     reference log-probs are all of the distribution the responses were drawn from. With logits at T = 1
     instead, the on-policy ratio is still 1 but the gradient estimates E_q[A grad log pi] for q != pi.
+    `entropy_grad`: the entropy keeps its graph (for an entropy bonus in the loss; costs memory).
 
     Same numbers as `get_response_log_probs` on the concatenated rows, computed with less work: rows that
     share a prompt (the group_size responses to one question) run that prompt through the model once,
@@ -103,7 +105,7 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
             hidden = torch.cat([hidden, rest.last_hidden_state], dim=1)  # (G, T, d)
         logits = _tempered(head(hidden), temperature)  # (G, T, V): response positions only
         log_probs = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-        entropy = compute_entropy(logits.detach()) if return_token_entropy else None
+        entropy = compute_entropy(logits if entropy_grad else logits.detach()) if return_token_entropy else None
         for i, (row, response) in enumerate(zip(rows, group)):
             row_log_probs[row] = log_probs[i, :len(response)]
             if entropy is not None:
@@ -113,6 +115,20 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     if return_token_entropy:
         result["token_entropy"] = pad(row_entropy, batch_first=True)
     return result
+
+
+def rollout_values(critic, prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
+    """The critic's value of the state before each response token, V(prompt, response_<t), (B, T)
+    right-padded to the longest response (padding reads 0), differentiable: the same positions as the
+    log-probs, so values[:, t] is the value of the state in which response token t was chosen."""
+    device = next(critic.parameters()).device
+    rows = [list(p) + list(r[:-1]) for p, r in zip(prompts, responses)]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long, device=device)  # right padding:
+    for i, row in enumerate(rows):  # causal attention never looks right, so no mask is needed
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+    scores = critic(input_ids=ids).logits[..., 0].float()  # (B, L)
+    values = [scores[i, len(p) - 1:len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(prompts, responses))]
+    return torch.nn.utils.rnn.pad_sequence(values, batch_first=True)
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

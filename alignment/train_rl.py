@@ -30,28 +30,16 @@ from tqdm.auto import tqdm
 from alignment import data, models, tir
 from alignment.args import RLArgs, parse, to_dict
 from alignment.errors import MissingFileError, UserError, cli
-from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts, evaluate
-from alignment.grpo import compute_group_normalized_rewards, filter_groups, grpo_microbatch_train_step
-from alignment.rollout import traces
+from alignment.estimators import compute_value_loss
+from alignment.evaluate import PROMPT_SETTINGS, evaluate
+from alignment.experience import build_experience, collect_rollouts
+from alignment.grpo import aggregate_loss, grpo_microbatch_train_step
 from alignment.sampling import HFSampler, SamplingParams, WeightPush, derive_seed, make_sampler, pick_backend
-from alignment.tokens import rollout_log_probs
+from alignment.tokens import rollout_log_probs, rollout_values
 
 # Flags that may differ between a run and its resumption; everything else must match.
 RESUMABLE_CHANGES = {"resume", "n_steps", "eval_every", "save_every", "log_rollouts", "logger", "output_dir"}
 MAX_BAD_STEPS = 3  # consecutive non-finite losses or gradients before the run aborts
-
-
-def questions_at(rows: list[dict], position: int, count: int, seed: int) -> list[dict]:
-    """`count` questions from position `position` of an endless stream: a seeded permutation of the
-    rows per epoch, read in order. A pure function of (position, seed); the loop keeps the position (how
-    many questions it has drawn) in its checkpoint, so a resumed run draws what the uninterrupted run
-    would have, also when dynamic sampling drew extra questions."""
-    picked = []
-    for index in range(position, position + count):
-        epoch, offset = divmod(index, len(rows))
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
-        picked.append(rows[order[offset]])
-    return picked
 
 
 class NullLogger:
@@ -118,7 +106,7 @@ def main(args: RLArgs) -> dict:
     run_dir, start_model, state = setup_run(args)
     weights_from = str(run_dir / "checkpoint") if state else start_model
     roles = models.assign_device_roles(models.available_devices(), args.sample_device,
-                                       args.reference_model_device, args.eval_device)
+                                       args.reference_model_device, args.eval_device, args.critic_device)
     backend = pick_backend(args.backend, roles["sample"])
     print(f"[train_rl] {args.loss_type} on {args.dataset} from {weights_from}; devices {roles}; sampler {backend}; "
           f"run folder {run_dir}")
@@ -134,7 +122,7 @@ def main(args: RLArgs) -> dict:
 
     # Models: the policy (trained, fp32 master weights), the sampler (shares the policy's weights when
     # it can), the frozen reference for the KL penalty (the run's starting model, also after a resume;
-    # only when kl_coef > 0), and the evaluation sampler.
+    # only when kl_coef > 0), the critic (gae only), and the evaluation sampler.
     tokenizer = models.load_tokenizer(weights_from)
     dtype, autocast = models.train_precision(roles["policy"][0], args.bf16_weights)
     policy = models.load_policy_model(weights_from, roles["policy"], dtype)
@@ -150,12 +138,20 @@ def main(args: RLArgs) -> dict:
     push = WeightPush(policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
                                   betas=(0.9, 0.95))
+    critic = critic_optimizer = None
+    if args.advantage_estimator == "gae":
+        critic = models.load_critic(str(run_dir / "checkpoint" / "critic") if state else args.critic_model or start_model,
+                                    roles["critic"], models.train_precision(roles["critic"], args.bf16_weights)[0])
+        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate,
+                                             weight_decay=args.weight_decay, betas=(0.9, 0.95))
 
     # The step this run starts at.
     score = make_scorer(args)
     start_step, bad_steps, drawn = 0, 0, 0  # drawn: questions taken from the stream so far
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
+        if critic is not None:
+            critic_optimizer.load_state_dict(state["critic_optimizer"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         start_step, bad_steps, drawn = state["step"], state["bad_steps"], state["questions_drawn"]
@@ -184,20 +180,21 @@ def main(args: RLArgs) -> dict:
     bar = tqdm(range(start_step, args.n_steps), desc="rl", unit="step", initial=start_step, total=args.n_steps)
     for step in bar:
         # 1-2. Sample and score groups until the batch holds enough informative ones (one round
-        # without dynamic sampling); group-normalised advantages, one per trace.
+        # without dynamic sampling).
         policy.eval()
         with autocast:
             batch, drawn = collect_rollouts(args, step, drawn, train_rows, sampler, tokenizer, score)
         times = dict(batch["seconds"])  # sample, score
 
-        # 3. Policy update: epochs x train batches x microbatches.
+        # 3. Before any update: old/reference log-probs and values as needed, then the advantages.
+        # Then the update: epochs x train batches x microbatches (the policy waits out the critic warm-up).
         start = time.perf_counter()
-        policy.train()
-        train = _Means()
+        train, learn = _Means(), step >= args.critic_warmup_steps or critic is None
         if batch["traces"]:
-            train_traces = batch["traces"]
-            old_log_probs = None if _on_policy(args) else _log_probs_no_grad(policy, train_traces, args, autocast)
-            groups = len(train_traces) // args.group_size
+            experience = build_experience(args, batch, policy, reference, critic, autocast)
+            train.update(experience["metrics"])
+            policy.train()
+            groups = len(batch["traces"]) // args.group_size
             groups_per_batch = max(1, groups * args.train_batch_size // args.rollout_batch_size)
             for epoch in range(args.epochs_per_rollout_batch):
                 # a fresh group order per epoch, so off-policy epochs do not repeat the same minibatches
@@ -206,8 +203,8 @@ def main(args: RLArgs) -> dict:
                     batch_traces = [g * args.group_size + k for g in order[first:first + groups_per_batch].tolist()
                                     for k in range(args.group_size)]
                     with autocast:
-                        ok = _optimizer_step(args, policy, optimizer, reference, train_traces, batch_traces,
-                                             batch["advantages"], batch["raw_rewards"], old_log_probs, train, epoch)
+                        ok = _optimizer_step(args, policy, optimizer, critic, critic_optimizer, experience,
+                                             batch_traces, train, epoch, learn)
                     push.policy_changed()
                     bad_steps = 0 if ok else bad_steps + 1
                     if bad_steps >= MAX_BAD_STEPS:
@@ -227,81 +224,16 @@ def main(args: RLArgs) -> dict:
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.n_steps):
             run_eval(step + 1)
         if (step + 1) % args.save_every == 0 or step + 1 == args.n_steps:
-            models.save_checkpoint(policy, tokenizer, run_dir / "checkpoint", config=to_dict(args), extra={
-                "trainer_state.pt": {"step": step + 1, "optimizer": optimizer.state_dict(), "bad_steps": bad_steps,
-                                     "questions_drawn": drawn, "start_model": start_model,
-                                     "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}})
+            trainer_state = {"step": step + 1, "optimizer": optimizer.state_dict(), "bad_steps": bad_steps,
+                             "questions_drawn": drawn, "start_model": start_model,
+                             "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+            if critic is not None:
+                trainer_state["critic_optimizer"] = critic_optimizer.state_dict()
+            models.save_checkpoint(policy, tokenizer, run_dir / "checkpoint", config=to_dict(args),
+                                   extra={"trainer_state.pt": trainer_state},
+                                   submodels={"critic": critic} if critic is not None else None)
     bar.close()
     return {"run_dir": str(run_dir), "last_metrics": _read_jsonl(run_dir / "metrics.jsonl")[-1:]}
-
-
-def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, score) -> tuple[dict, int]:
-    """Sample, score and (with dynamic sampling) filter groups for one step; returns the batch and the
-    new stream position. DAPO's refill (section 3.2): while fewer than rollout_batch_size / group_size
-    informative groups were kept, draw that many more questions, up to --max_sampling_rounds rounds;
-    the kept groups are cut to one batch. Rewards are logged over every sampled trace.
-
-    batch = {"traces": kept traces (lists of rows), "advantages"/"raw_rewards": (kept traces,),
-             "metrics": reward and sampling numbers, "samples": full rollouts for rollouts.jsonl,
-             "seconds": {"sample", "score"}}.
-    """
-    questions = args.rollout_batch_size // args.group_size
-    filtering = args.filter_low is not None or args.filter_high is not None
-    stop = PROMPT_SETTINGS[args.prompt][1]
-    kept, advantages, raw_rewards, metas, samples, mode_rows, lengths = [], [], [], [], [], [], []
-    seconds = {"sample": 0.0, "score": 0.0}
-    for sampling_round in range(1, args.max_sampling_rounds + 1):
-        start = time.perf_counter()
-        batch = questions_at(rows, drawn, questions, args.seed)
-        drawn += questions
-        prompt_texts, prompt_ids = build_prompts(tokenizer, batch, args.prompt, args.chat_template)
-        params = SamplingParams(n=args.group_size, temperature=args.sampling_temperature, top_p=args.sampling_top_p,
-                                max_tokens=args.sampling_max_tokens, stop=stop, logprobs=True,
-                                seed=derive_seed(args.seed, step, sampling_round))
-        round_traces = traces(ROLLOUT_MODES[args.rollout_mode](sampler, tokenizer, prompt_ids, params, args))
-        seconds["sample"] += time.perf_counter() - start
-        start = time.perf_counter()
-        scores = []
-
-        def score_and_keep(row, truth):
-            scores.append(score(row, truth))
-            return scores[-1]
-        adv, raw, meta = compute_group_normalized_rewards(
-            score_and_keep, [t[-1] for t in round_traces], [batch[t[-1].group_id]["answer"] for t in round_traces],
-            args.group_size, args.advantage_eps, args.use_std_normalization)
-        keep = torch.ones(len(round_traces), dtype=torch.bool)
-        if filtering:
-            accuracy = torch.tensor([float(s["answer_reward"]) for s in scores])
-            keep = filter_groups(raw, args.group_size, args.filter_low, args.filter_high, accuracy=accuracy)
-        metas.append(meta)
-        seconds["score"] += time.perf_counter() - start
-        mode_rows += [t[-1] for t in round_traces]
-        lengths += [sum(sum(r.loss_mask) for r in t) for t in round_traces]  # sampled tokens per trace
-        samples += [{"prompt": prompt_texts[t[-1].group_id], "response": t[-1].text, "reward": r,
-                     "ground_truth": batch[t[-1].group_id]["answer"], "rows": len(t), "stats": t[-1].stats}
-                    for t, r in zip(round_traces, raw.tolist())]
-        for i in keep.nonzero().flatten().tolist():
-            kept.append(round_traces[i])
-            advantages.append(adv[i])
-            raw_rewards.append(raw[i])
-        if not filtering or len(kept) >= args.rollout_batch_size:
-            break
-    kept, advantages, raw_rewards = (x[:args.rollout_batch_size] for x in (kept, advantages, raw_rewards))
-    metrics = {key: sum(m[key] for m in metas) / len(metas) for key in metas[0]}  # rounds are of equal size
-    metrics = {"reward": metrics.pop("reward_mean"), "format_reward": metrics.get("format_reward_mean", 0.0),
-               "answer_reward": metrics.get("answer_reward_mean", 0.0), "zero_std_groups": metrics["zero_std_fraction"],
-               "response_tokens": sum(lengths) / len(lengths),
-               "kept_traces": len(kept), "sampling_rounds": len(metas), "questions_sampled": len(metas) * questions}
-    if args.rollout_mode == "tir":
-        metrics.update(tir.tir_metrics(mode_rows, [s["reward"] for s in samples]))
-    batch = {"traces": kept, "advantages": torch.stack(advantages) if kept else torch.zeros(0),
-             "raw_rewards": torch.stack(raw_rewards) if kept else torch.zeros(0), "metrics": metrics, "samples": samples,
-             "seconds": seconds}
-    return batch, drawn
-
-
-def _on_policy(args) -> bool:
-    return args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.rollout_batch_size
 
 
 class _Means:
@@ -314,84 +246,93 @@ class _Means:
         self.sums[key] = self.sums.get(key, 0.0) + value * weight
         self.weights[key] = self.weights.get(key, 0.0) + weight
 
+    def update(self, values: dict):
+        for key, value in values.items():
+            self.add(key, value)
+
     def means(self) -> dict:
         return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
 
 
-def _optimizer_step(args, policy, optimizer, reference, all_traces, batch_traces, advantages, raw_rewards,
-                    old_log_probs, train: _Means, epoch: int) -> bool:
-    """Microbatches of one train batch, gradient clipping and the step. False if it was skipped."""
-    first_row = [0]  # flat position of each trace's first row (the order of old_log_probs)
-    for trace in all_traces:
-        first_row.append(first_row[-1] + len(trace))
-    rows = [(i, first_row[i] + k, r) for i in batch_traces for k, r in enumerate(all_traces[i])]
+def _optimizer_step(args, policy, optimizer, critic, critic_optimizer, exp: dict, batch_traces: list[int],
+                    train: _Means, epoch: int, learn: bool) -> bool:
+    """Microbatches of one train batch, gradient clipping and the step (of the policy when `learn`, of the
+    critic when there is one). `exp` is build_experience's output. False if the step was skipped."""
+    in_batch = set(batch_traces)
+    rows = [i for i, trace in enumerate(exp["row_trace"].tolist()) if trace in in_batch]  # flat row indices
+    mask_all, row_trace = exp["mask"], exp["row_trace"]
     # Delethink's trace-length normaliser counts the tokens the loss sums over (forced tokens excluded)
-    trace_lengths = {i: sum(sum(r.loss_mask) for r in all_traces[i]) for i in batch_traces}
-    num_tokens = sum(sum(r.loss_mask) for _, _, r in rows)
+    trace_tokens = torch.zeros(int(row_trace.max()) + 1).index_add(0, row_trace, mask_all.sum(-1))
+    num_tokens = int(mask_all[rows].sum().item())
     device = next(policy.parameters()).device
-    temperature = args.sampling_temperature
+    kl_coef = 0.0 if args.kl_in_reward else args.kl_coef  # in the reward it already shaped the advantages
     losses = []
     for first in range(0, len(rows), args.train_mini_batch_size):
         micro = rows[first:first + args.train_mini_batch_size]
-        prompts, responses = [r.prompt_ids for _, _, r in micro], [r.response_ids for _, _, r in micro]
-        out = rollout_log_probs(policy, prompts, responses, return_token_entropy=True, temperature=temperature)
-        log_probs = out["log_probs"]  # (B, T)
-        mask = _pad([r.loss_mask for _, _, r in micro], log_probs.shape[1], device)  # (B, T)
-        trace_index = torch.tensor([i for i, _, _ in micro])
-        old = log_probs.detach()  # on-policy: the ratio is 1 and only its gradient matters
-        if old_log_probs is not None:
-            old = old_log_probs[[k for _, k, _ in micro], :log_probs.shape[1]].to(device)
-        ref = None
-        if reference is not None:
-            with torch.no_grad():
-                ref = rollout_log_probs(reference, prompts, responses, temperature=temperature)["log_probs"].to(device)
-        loss, meta = grpo_microbatch_train_step(
-            log_probs, mask, len(rows) / len(micro), args.loss_type,
-            raw_rewards=raw_rewards[trace_index].unsqueeze(-1).to(device),
-            advantages=advantages[trace_index].unsqueeze(-1).to(device), old_log_probs=old,
-            cliprange=args.cliprange, loss_agg_mode=args.loss_agg_mode, cliprange_high=args.cliprange_high,
-            kl_coef=args.kl_coef, ref_log_probs=ref, max_response_length=args.sampling_max_tokens,
-            num_tokens=num_tokens, num_traces=len(batch_traces),
-            trace_lengths=torch.tensor([trace_lengths[i] for i, _, _ in micro], device=device))
-        losses.append(loss.item())
+        prompts = [exp["rows"][i].prompt_ids for i in micro]
+        responses = [exp["rows"][i].response_ids for i in micro]
+        width = max(map(len, responses))
+        mask = mask_all[micro, :width].to(device)  # (B, T)
+
+        def take(name):  # this microbatch's slice of a precomputed (rows, T) tensor, or None
+            value = exp[name]
+            return None if value is None else value[micro, :width].to(device)
         tokens = mask.sum().item()
-        train.add("entropy", (out["token_entropy"] * mask).sum().item() / max(tokens, 1), tokens)
-        for key in ("clip_fraction", "kl"):
-            if key in meta:
-                train.add(key, meta[key], tokens)
+        if critic is not None:  # PPO's value loss, token-mean over the train batch (clipped, eq. 9)
+            values = rollout_values(critic, prompts, responses)
+            value_loss, value_meta = compute_value_loss(values, take("old_values"), take("returns"), mask,
+                                                        args.cliprange_value)
+            (aggregate_loss(value_loss, mask, "token-mean", num_tokens=num_tokens) * args.value_loss_coef).backward()
+            train.add("value_loss", (value_loss.detach() * mask).sum().item() / max(tokens, 1), tokens)
+            train.add("value_clip_fraction", value_meta["clipped"].float().sum().item() / max(tokens, 1), tokens)
+        out = rollout_log_probs(policy, prompts, responses, return_token_entropy=True,
+                                temperature=args.sampling_temperature, entropy_grad=bool(args.entropy_coef))
+        log_probs = out["log_probs"]  # (B, T)
+        old = take("old_log_probs")
+        old = log_probs.detach() if old is None else old  # on-policy: the ratio is 1, only its gradient matters
+        advantages = exp["advantages"][micro]
+        advantages = (advantages if advantages.shape[1] == 1 else advantages[:, :width]).to(device)
+        if learn:
+            loss, meta = grpo_microbatch_train_step(
+                log_probs, mask, len(rows) / len(micro), args.loss_type,
+                raw_rewards=exp["raw_rewards"][micro].unsqueeze(-1).to(device), advantages=advantages, old_log_probs=old,
+                cliprange=args.cliprange, loss_agg_mode=args.loss_agg_mode, cliprange_high=args.cliprange_high,
+                kl_coef=kl_coef, ref_log_probs=take("ref_log_probs"), kl_estimator=args.kl_estimator,
+                entropy_coef=args.entropy_coef, token_entropy=out["token_entropy"],
+                max_response_length=args.sampling_max_tokens, num_tokens=num_tokens, num_traces=len(batch_traces),
+                trace_lengths=trace_tokens[row_trace[micro]].to(device))
+            losses.append(loss.item())
+            for key in ("clip_fraction", "kl"):
+                if key in meta:
+                    train.add(key, meta[key], tokens)
+        train.add("entropy", (out["token_entropy"].detach() * mask).sum().item() / max(tokens, 1), tokens)
         if epoch == 0:  # the old policy is the learner's view of the sampler: log how far they disagree
-            sampled = _pad([r.sampler_logprobs or [] for _, _, r in micro], log_probs.shape[1], device, math.nan)
+            rows_ = [exp["rows"][i] for i in micro]
+            sampled = _pad([r.sampler_logprobs or [] for r in rows_], width, device, math.nan)
             seen = mask.bool() & ~sampled.isnan()
             if seen.any():
                 train.add("sampler_logprob_diff", (sampled - old)[seen].abs().mean().item(), seen.sum().item())
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item()
+    ok = True
+    if critic is not None:
+        ok = _clip_and_step(critic, critic_optimizer, args.max_grad_norm, train, "critic_grad_norm")
+    if learn:
+        ok = _clip_and_step(policy, optimizer, args.max_grad_norm, train, "grad_norm", losses) and ok
+        if ok:
+            train.add("loss", sum(losses))
+    return ok
+
+
+def _clip_and_step(model, optimizer, max_grad_norm: float, train: _Means, name: str, losses=()) -> bool:
+    """Clip the gradient norm and step, or skip the step (and drop the gradient) when anything is non-finite."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
     if not (math.isfinite(grad_norm) and all(math.isfinite(x) for x in losses)):
-        tqdm.write(f"[train_rl] warning: non-finite loss or gradient (grad norm {grad_norm}); step skipped")
+        tqdm.write(f"[train_rl] warning: non-finite loss or gradient ({name} {grad_norm}); step skipped")
         optimizer.zero_grad(set_to_none=True)
         return False
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    train.add("loss", sum(losses))
-    train.add("grad_norm", grad_norm)
+    train.add(name, grad_norm)
     return True
-
-
-@torch.no_grad()
-def _log_probs_no_grad(policy, all_traces, args, autocast) -> torch.Tensor:
-    """Old-policy log-probs (at the sampling temperature) of every row, flat order, before any update of
-    this step: (rows, T)."""
-    policy.eval()
-    rows = [r for trace in all_traces for r in trace]
-    width = max(len(r.response_ids) for r in rows)
-    out = torch.zeros(len(rows), width)
-    for first in range(0, len(rows), args.train_mini_batch_size):
-        part = rows[first:first + args.train_mini_batch_size]
-        with autocast:
-            log_probs = rollout_log_probs(policy, [r.prompt_ids for r in part], [r.response_ids for r in part],
-                                          temperature=args.sampling_temperature)["log_probs"]
-        out[first:first + len(part), :log_probs.shape[1]] = log_probs.float().cpu()
-    policy.train()
-    return out
 
 
 def _pad(lists, width, device, value: float = 0.0) -> torch.Tensor:

@@ -364,3 +364,170 @@ def test_no_baseline_gradient_matches_closed_form(advantage):
     onehot = torch.nn.functional.one_hot(torch.tensor(label), vocab).float()
     expected = -advantage * (onehot - torch.softmax(logits.detach()[0, 0], dim=-1))
     torch.testing.assert_close(logits.grad[0, 0], expected)
+
+
+# ---- more estimators (alignment/estimators.py) ----------------------------------------------------
+
+from alignment.estimators import (compute_gae_advantages, compute_gspo_loss, compute_reinforce_pp_advantages,  # noqa: E402
+                                  compute_rloo_advantages, compute_value_loss, explained_variance, kl_penalty,
+                                  outcome_token_rewards, subtract_group_mean)
+
+
+def test_gae_by_hand_with_a_masked_hole():
+    # one row: tokens 0, 1, [2 masked: tool output], 3; reward 1 at the end; gamma 0.9, lam 0.5
+    rewards = torch.tensor([[0.0, 0.0, 5.0, 1.0]])  # the 5.0 sits on a masked token: ignored
+    values = torch.tensor([[0.2, 0.4, 9.0, 0.6]])
+    mask = torch.tensor([[1, 1, 0, 1]])
+    adv, ret = compute_gae_advantages(rewards, values, mask, gamma=0.9, lam=0.5)
+    d3 = 1.0 + 0.9 * 0 - 0.6
+    d1 = 0.0 + 0.9 * 0.6 - 0.4  # the next unmasked value is token 3's, across the hole
+    d0 = 0.0 + 0.9 * 0.4 - 0.2
+    a3 = d3
+    a1 = d1 + 0.45 * a3
+    a0 = d0 + 0.45 * a1
+    torch.testing.assert_close(adv, torch.tensor([[a0, a1, 0.0, a3]]))
+    torch.testing.assert_close(ret, torch.tensor([[a0 + 0.2, a1 + 0.4, 0.0, a3 + 0.6]]))
+
+
+def gae_loop(rewards, values, mask, gamma, lam):
+    adv, ret = torch.zeros_like(rewards), torch.zeros_like(rewards)
+    for b in range(rewards.shape[0]):
+        idx = [t for t in range(rewards.shape[1]) if mask[b, t]]
+        next_v = next_a = 0.0
+        for t in reversed(idx):
+            delta = rewards[b, t].item() + gamma * next_v - values[b, t].item()
+            next_a = delta + gamma * lam * next_a
+            next_v = values[b, t].item()
+            adv[b, t], ret[b, t] = next_a, next_a + values[b, t]
+    return adv, ret
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gae_rloo_reinforce_pp_equal_loops_on_random_masks_with_holes(seed):
+    g = torch.Generator().manual_seed(seed)
+    rewards, values = torch.randn(6, 9, generator=g), torch.randn(6, 9, generator=g)
+    mask = (torch.rand(6, 9, generator=g) > 0.35).long()
+    mask[0] = 0  # an empty row
+    for gamma, lam in [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0)]:
+        adv, ret = compute_gae_advantages(rewards, values, mask, gamma, lam)
+        loop_adv, loop_ret = gae_loop(rewards, values, mask, gamma, lam)
+        torch.testing.assert_close(adv, loop_adv)
+        torch.testing.assert_close(ret, loop_ret)
+    # GAE with gamma = lam = 1 and a zero critic is the return-to-go
+    adv, _ = compute_gae_advantages(rewards, torch.zeros_like(values), mask, 1.0, 1.0)
+    returns_to_go = torch.zeros_like(rewards)
+    for b in range(6):
+        running = 0.0
+        for t in reversed(range(9)):
+            if mask[b, t]:
+                running += rewards[b, t].item()
+                returns_to_go[b, t] = running
+    torch.testing.assert_close(adv, returns_to_go)
+    # REINFORCE++: discounted return-to-go over unmasked tokens, whitened over the batch's unmasked tokens
+    gamma = 0.9
+    loop = torch.zeros_like(rewards)
+    for b in range(6):
+        running = 0.0
+        for t in reversed(range(9)):
+            if mask[b, t]:
+                running = rewards[b, t].item() + gamma * running
+                loop[b, t] = running
+    kept = loop[mask.bool()]
+    whitened = torch.where(mask.bool(), (loop - kept.mean()) / torch.sqrt(kept.var(correction=0) + 1e-8), 0.0)
+    torch.testing.assert_close(compute_reinforce_pp_advantages(rewards, mask, gamma), whitened)
+    # RLOO: each reward minus the mean of the others in its group
+    flat = torch.randn(12, generator=g)
+    loop = torch.tensor([flat[i] - (flat[i // 4 * 4:i // 4 * 4 + 4].sum() - flat[i]) / 3 for i in range(12)])
+    torch.testing.assert_close(compute_rloo_advantages(flat, 4), loop)
+
+
+def test_rloo_and_group_mean_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])  # groups of 3: [1, 0, 0], [1, 1, 1]
+    torch.testing.assert_close(compute_rloo_advantages(rewards, 3), torch.tensor([1.0, -0.5, -0.5, 0.0, 0.0, 0.0]))
+    assert compute_rloo_advantages(rewards, 1).tolist() == [0.0] * 6
+    torch.testing.assert_close(subtract_group_mean(rewards, 3), torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0]))
+    with pytest.raises(ValueError):
+        compute_rloo_advantages(rewards, 4)
+
+
+def test_reinforce_pp_by_hand():
+    rewards = torch.tensor([[0.0, 1.0], [0.0, -1.0]])
+    mask = torch.tensor([[1, 1], [1, 1]])
+    # gamma 1: returns [[1, 1], [-1, -1]]; mean 0, population variance 1
+    torch.testing.assert_close(compute_reinforce_pp_advantages(rewards, mask),
+                               torch.tensor([[1.0, 1.0], [-1.0, -1.0]]) / math.sqrt(1 + 1e-8))
+
+
+def test_outcome_token_rewards_go_on_the_last_unmasked_token():
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])
+    out = outcome_token_rewards(torch.tensor([2.0, 3.0, 4.0]), mask)
+    assert out.tolist() == [[0, 2.0, 0, 0], [0, 0, 3.0, 0], [0, 0, 0, 0]]
+
+
+def test_gspo_by_hand_and_its_gradient_is_the_sequence_objectives():
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]], requires_grad=True)
+    old = torch.tensor([[-1.2, -1.9, -0.4], [-0.3, -0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([1.0, -2.0])
+    loss, meta = compute_gspo_loss(adv, logp, old, mask, 0.2)
+    s0 = math.exp((0.2 - 0.1 - 0.1) / 3)  # = 1: unclipped
+    s1 = math.exp((0.0 - 0.5) / 2)  # 0.78: below 1 - eps with A < 0 -> the clipped term is the min
+    per_row = (loss * mask).sum(-1) / mask.sum(-1)
+    expected = torch.tensor([-min(s0 * 1.0, min(max(s0, 0.8), 1.2) * 1.0),
+                             -min(s1 * -2.0, min(max(s1, 0.8), 1.2) * -2.0)])
+    torch.testing.assert_close(per_row, expected)
+    assert meta["clipped"][1, :2].all() and not meta["clipped"][0].any() and not meta["clipped"][1, 2]
+    per_row.sum().backward()
+    grad = logp.grad.clone()
+    # autograd of the written-out sequence objective
+    logp2 = logp.detach().clone().requires_grad_()
+    ratio = torch.exp(((logp2 - old) * mask).sum(-1) / mask.sum(-1))
+    objective = torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    (-objective).sum().backward()
+    torch.testing.assert_close(grad, logp2.grad)
+    assert grad[1].abs().sum() == 0  # the clipped row gets no gradient
+
+
+def test_gspo_through_the_dispatch_and_the_train_step():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, meta = grpo_microbatch_train_step(logp, torch.tensor([[1, 1]]), 1, "gspo", None, torch.tensor([[1.0]]),
+                                            logp.detach() - 0.05, 0.2)
+    assert loss.item() == pytest.approx(-math.exp(0.05)) and "clip_fraction" in meta
+    with pytest.raises(ValueError, match="one advantage per sequence"):
+        compute_policy_gradient_loss(logp, "gspo", advantages=torch.ones(1, 2), old_log_probs=logp.detach(),
+                                     cliprange=0.2, response_mask=torch.ones(1, 2))
+
+
+def test_value_loss_by_hand():
+    values = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[0.5, 0.0]])
+    returns = torch.tensor([[2.0, 1.0]])
+    loss, meta = compute_value_loss(values, old, returns, torch.tensor([[1, 1]]), 0.2)
+    # token 0: plain (1 - 2)^2 = 1; clipped old + 0.2 = 0.7 -> (0.7 - 2)^2 = 1.69: the max is the clipped one
+    torch.testing.assert_close(loss, torch.tensor([[0.5 * 1.69, 0.5 * 1.0]]))
+    assert meta["clipped"].tolist() == [[True, False]]
+    loss.sum().backward()
+    assert values.grad.tolist() == [[0.0, -1.0]]
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.log(torch.tensor([0.5])), torch.log(torch.tensor([0.25]))
+    r = math.log(0.5)
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(-r)
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * r * r)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 - r - 1)
+    with pytest.raises(ValueError):
+        kl_penalty(logp, ref, "k4")
+    assert explained_variance(torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[1.0, 2.0, 3.0]]), torch.ones(1, 3)) == 1.0
+
+
+def test_entropy_bonus_and_per_token_advantages_in_the_train_step():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    entropy = torch.tensor([[0.5, 1.5]], requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0]])  # per token
+    loss, _ = grpo_microbatch_train_step(logp, torch.tensor([[1, 1]]), 1, "reinforce_with_baseline", None, adv,
+                                         entropy_coef=0.1, token_entropy=entropy)
+    # mean over tokens of -A * logp - 0.1 * H = ((1 * 1 - 0.05) + (-2 - 0.15)) / 2
+    assert loss.item() == pytest.approx(((1.0 - 0.05) + (-2.0 - 0.15)) / 2)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, 0.5]]))
+    torch.testing.assert_close(entropy.grad, torch.tensor([[-0.05, -0.05]]))

@@ -1,11 +1,12 @@
 """The RL script end to end on a tiny random model, crash and resume, device roles and data order."""
 
 import json
+import math
 
 import pytest
 import torch
 
-from alignment import models, train_rl
+from alignment import experience, models, train_rl
 from alignment.args import RLArgs, parse
 
 
@@ -100,11 +101,11 @@ def test_resume_refuses_changed_flags(tiny_model_dir, tmp_path, parity):
 
 def test_questions_at_is_a_seeded_pass_over_the_data():
     rows = [{"question": str(i)} for i in range(10)]
-    first_epoch = [q["question"] for s in range(5) for q in train_rl.questions_at(rows, 2 * s, 2, seed=0)]
+    first_epoch = [q["question"] for s in range(5) for q in experience.questions_at(rows, 2 * s, 2, seed=0)]
     assert sorted(first_epoch) == sorted(r["question"] for r in rows)  # every question once per epoch
-    assert train_rl.questions_at(rows, 14, 2, 0) == train_rl.questions_at(rows, 14, 2, 0)
-    assert train_rl.questions_at(rows, 0, 5, 0) != train_rl.questions_at(rows, 0, 5, 1)
-    assert train_rl.questions_at(rows, 3, 4, 0) == train_rl.questions_at(rows, 0, 7, 0)[3:]
+    assert experience.questions_at(rows, 14, 2, 0) == experience.questions_at(rows, 14, 2, 0)
+    assert experience.questions_at(rows, 0, 5, 0) != experience.questions_at(rows, 0, 5, 1)
+    assert experience.questions_at(rows, 3, 4, 0) == experience.questions_at(rows, 0, 7, 0)[3:]
 
 
 def gpus(n):
@@ -120,7 +121,10 @@ def gpus(n):
 ])
 def test_device_roles(n, policy, sample, reference, eval_):
     assert models.assign_device_roles(gpus(n)) == {"policy": policy, "sample": sample, "reference": reference,
-                                                    "eval": eval_}
+                                                    "eval": eval_, "critic": reference}
+    if n >= 4:  # a critic given its own GPU takes it from the policy
+        roles = models.assign_device_roles(gpus(n), critic=policy[-1])
+        assert roles["critic"] == policy[-1] and roles["policy"] == (policy[:-1] or [policy[-1]])
 
 
 def test_explicit_roles_and_missing_devices():
@@ -240,8 +244,8 @@ def test_every_log_prob_the_loss_sees_is_of_the_sampled_temperature(tiny_model_d
 
 def test_resume_keeps_the_kl_reference_at_the_starting_model(tiny_model_dir, tmp_path, parity, monkeypatch):
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, kl_coef=0.1))
-    spy = Spy(train_rl._optimizer_step)
-    monkeypatch.setattr(train_rl, "_optimizer_step", spy)
+    spy = Spy(train_rl.build_experience)
+    monkeypatch.setattr(train_rl, "build_experience", spy)
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2, kl_coef=0.1, resume=str(tmp_path / "run")))
     reference = spy.calls[0][0][3]
     start, resumed_from = models.load_model(tiny_model_dir), models.load_model(str(tmp_path / "run" / "checkpoint"))
@@ -278,14 +282,14 @@ def test_dynamic_sampling_filters_on_accuracy_and_refills_the_batch(tiny_model_d
 
 
 def test_trace_length_normaliser_and_logged_means_count_only_trained_tokens(tiny_model_dir, tmp_path, parity, monkeypatch):
-    standard = train_rl.ROLLOUT_MODES["standard"]
+    standard = experience.ROLLOUT_MODES["standard"]
 
     def with_forced_tokens(*args, **kwargs):  # every row's second token is forced (loss mask 0), as tool output
         rows = standard(*args, **kwargs)
         for row in rows:
             row.loss_mask = [0 if i == 1 else 1 for i in range(len(row.response_ids))]
         return rows
-    monkeypatch.setitem(train_rl.ROLLOUT_MODES, "standard", with_forced_tokens)
+    monkeypatch.setitem(experience.ROLLOUT_MODES, "standard", with_forced_tokens)
     step = Spy(train_rl.grpo_microbatch_train_step)
     monkeypatch.setattr(train_rl, "grpo_microbatch_train_step", step)
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, loss_agg_mode="trace-length", kl_coef=0.1,
@@ -304,7 +308,7 @@ def test_off_policy_epochs_shuffle_the_minibatches(tiny_model_dir, tmp_path, par
     monkeypatch.setattr(train_rl, "_optimizer_step", spy)
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, rollout_batch_size=16, train_batch_size=4,
                             epochs_per_rollout_batch=2))
-    batches = [tuple(call[0][5]) for call in spy.calls]  # batch_traces of each optimizer step
+    batches = [tuple(call[0][6]) for call in spy.calls]  # batch_traces of each optimizer step
     assert len(batches) == 8
     first, second = batches[:4], batches[4:]
     assert sorted(sum(first, ())) == sorted(sum(second, ())) == list(range(16))  # each epoch sees every trace
@@ -349,3 +353,54 @@ def test_user_errors_end_in_one_line(tiny_model_dir, tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
     assert exit_.value.code == 2 and "Traceback" not in err and last.startswith("error: ") and message in last, err
+
+
+# ---- issue 14: more estimators through the loop ----------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [
+    {"advantage_estimator": "rloo"},
+    {"advantage_estimator": "reinforce_pp", "loss_type": "reinforce_with_baseline"},
+    {"advantage_estimator": "reinforce_pp_baseline", "kl_coef": 0.05, "kl_in_reward": True, "kl_estimator": "k1"},
+    {"advantage_estimator": "gae", "gamma": 0.99, "lam": 0.95},
+    {"loss_type": "gspo", "train_batch_size": 4, "epochs_per_rollout_batch": 2},
+    {"entropy_coef": 0.01, "kl_coef": 0.05, "kl_estimator": "k2"},
+])
+def test_two_steps_with_each_estimator(tiny_model_dir, tmp_path, parity, overrides):
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", **overrides))
+    steps = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in steps)
+    if overrides.get("advantage_estimator") == "gae":
+        assert all(math.isfinite(m["value_loss"]) and m["critic_grad_norm"] > 0 for m in steps)
+        assert "explained_variance" in steps[0] and steps[0]["value_mean"] == 0.0  # the head starts at zero
+        assert steps[1]["value_mean"] != 0.0
+    if overrides.get("kl_in_reward"):
+        assert all(m["kl_in_reward"] >= -1e-6 or overrides["kl_estimator"] == "k1" for m in steps)
+
+
+def test_critic_warmup_trains_only_the_critic_and_resume_brings_the_critic_back(tiny_model_dir, tmp_path, parity):
+    args = dict(advantage_estimator="gae", critic_warmup_steps=1, critic_learning_rate=1e-3)
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, **args))
+    [step1] = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert "grad_norm" not in step1 and step1["critic_grad_norm"] > 0  # warm-up: the policy did not move
+    policy = models.load_model(str(tmp_path / "run" / "checkpoint"))
+    start = models.load_model(tiny_model_dir)
+    assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), start.parameters()))
+    critic = models.load_critic(str(tmp_path / "run" / "checkpoint" / "critic"))
+    assert critic.score.weight.abs().sum() > 0  # the trained head was saved and comes back
+    state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["critic_optimizer"]["state"]
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2, resume=str(tmp_path / "run"), **args))
+    step2 = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert step2["step"] == 2 and step2["grad_norm"] > 0 and step2["value_mean"] != 0.0
+
+
+def test_estimator_flag_checks(capsys):
+    for argv, message in [(["--advantage_estimator", "gae", "--rollout_mode", "delethink", "--loss_agg_mode",
+                            "trace-length"], "one row per trace"),
+                          (["--loss_type", "gspo", "--advantage_estimator", "reinforce_pp"], "one advantage per trace"),
+                          (["--kl_in_reward"], "--kl_coef > 0"),
+                          (["--advantage_estimator", "ppo"], "is not one of grpo")]:
+        with pytest.raises(SystemExit):
+            parse(RLArgs, argv)
+        assert message in capsys.readouterr().err

@@ -1,0 +1,155 @@
+"""More policy-gradient maths: advantage estimators beyond group normalisation, GSPO, the value loss, KL
+estimators. Pure tensor functions, like `alignment/grpo.py` (this is its sibling, so that neither file
+outgrows one sitting); the RL loop picks an estimator by name in one place.
+
+Shapes: B rows, T token positions; `response_mask` (B, T) is 1 on the tokens the policy sampled and 0 on
+padding and on forced tokens (tool output). "Over a row's unmasked tokens" means as if the masked ones
+were not there: masked tool output in the middle of a response does not cut a recursion.
+"""
+
+import einx
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _scan_unmasked_backwards(step, response_mask: torch.Tensor, carry: list[torch.Tensor]) -> torch.Tensor:
+    """Run `value_t, carry = step(t, carry)` from the last position to the first; masked positions are
+    skipped (their output is 0 and the carry passes through them unchanged). Vectorised over rows."""
+    out = torch.zeros(response_mask.shape, dtype=carry[0].dtype, device=carry[0].device)  # (B, T)
+    for t in reversed(range(response_mask.shape[1])):
+        keep = response_mask[:, t].bool()  # (B,)
+        value, new_carry = step(t, carry)
+        out[:, t] = torch.where(keep, value, torch.zeros_like(value))
+        carry = [torch.where(keep, new, old) for new, old in zip(new_carry, carry)]
+    return out
+
+
+def compute_gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+                           gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over each row's unmasked tokens:
+
+        delta_t = r_t + gamma * V_next - V_t,   A_t = delta_t + gamma * lam * A_next,   returns = A + V
+
+    where "next" is the row's next unmasked token, and V after the last one is 0 (the episode ends).
+    Returns (advantages, returns), both (B, T), 0 at masked positions; raw (whiten separately if wanted).
+    With gamma = lam = 1 and V = 0, A_t is the return-to-go.
+    """
+    values = values.to(token_rewards.dtype)
+    zeros = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype, device=token_rewards.device)
+
+    def step(t, carry):
+        next_value, next_advantage = carry
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        return advantage, [values[:, t], advantage]
+    advantages = _scan_unmasked_backwards(step, response_mask, [zeros, zeros])
+    returns = torch.where(response_mask.bool(), advantages + values, torch.zeros_like(advantages))
+    return advantages, returns
+
+
+def compute_rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024): each reward minus the mean of the
+    other n - 1 rewards of its consecutive group. (N,); all zeros for group size 1 (no other sample)."""
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if group_size == 1:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    rewards = rewards.float()
+    total = einx.sum("(g n) -> g", rewards, n=group_size)
+    others = einx.subtract("g, (g n) -> (g n)", total, rewards) / (group_size - 1)
+    return rewards - others
+
+
+def subtract_group_mean(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each reward minus its consecutive group's mean (REINFORCE++-baseline's first step), (N,)."""
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    rewards = rewards.float()
+    return einx.subtract("(g n), g -> (g n)", rewards, einx.mean("(g n) -> g", rewards, n=group_size))
+
+
+def compute_reinforce_pp_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                    gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262): the discounted return-to-go over each row's unmasked
+    tokens, whitened over every unmasked token of the batch: (G - mean) / sqrt(var + 1e-8), population
+    variance. (B, T), 0 at masked positions. For REINFORCE++-baseline pass token rewards built from
+    `subtract_group_mean` of the scalar rewards."""
+    zeros = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype, device=token_rewards.device)
+
+    def step(t, carry):
+        ret = token_rewards[:, t] + gamma * carry[0]
+        return ret, [ret]
+    returns = _scan_unmasked_backwards(step, response_mask, [zeros])
+    kept = response_mask.bool()
+    mean = returns[kept].mean()
+    var = ((returns[kept] - mean) ** 2).mean()
+    whitened = (returns - mean) / torch.sqrt(var + 1e-8)
+    return torch.where(kept, whitened, torch.zeros_like(whitened))
+
+
+def outcome_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) token rewards with each row's scalar reward on its last unmasked token, 0 elsewhere."""
+    mask = response_mask.bool()
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, positions, -1).max(-1).values  # (B,); -1 for an empty row
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rows = (last >= 0).nonzero().flatten()
+    out[rows, last[rows]] = rewards.float().to(mask.device)[rows]
+    return out
+
+
+def compute_gspo_loss(advantages: torch.Tensor, policy_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                      response_mask: torch.Tensor, cliprange: float) -> tuple[torch.Tensor, dict]:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071, eqs. 5-7 and GSPO-token eq. 13): a sequence-level ratio
+
+        s = exp(mean over the row's response tokens of (logp - old_logp)),   J = min(s A, clip(s, 1-eps, 1+eps) A)
+
+    Per token the ratio is s_t = sg[s] * exp(logp_t - sg[logp_t]): equal to s in value, with gradient
+    sg[s] * grad logp_t. So the per-token loss -min(s_t A, clip(s_t) A) has a masked per-row mean equal to
+    -J, and its gradient equals the gradient of -J (all tokens of a row clip together). A is (B,) or
+    (B, 1). metadata["clipped"] (B, T) marks the tokens of clipped rows."""
+    advantages = advantages.reshape(-1, 1)  # (B, 1)
+    mask = response_mask.bool()
+    delta = torch.where(mask, policy_log_probs - old_log_probs, torch.zeros_like(policy_log_probs))
+    mean_log_ratio = delta.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+    sequence_ratio = torch.exp(mean_log_ratio.clamp(-20.0, 20.0))
+    token_log_probs = torch.where(mask, policy_log_probs, torch.zeros_like(policy_log_probs))
+    ratio = sequence_ratio.detach() * torch.exp(token_log_probs - token_log_probs.detach())  # (B, T)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - cliprange, 1 + cliprange) * advantages
+    return -torch.minimum(unclipped, clipped), {"clipped": (clipped < unclipped) & mask}
+
+
+def compute_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       response_mask: torch.Tensor, cliprange_value: float) -> tuple[torch.Tensor, dict]:
+    """PPO's clipped value loss (B, T): 0.5 * max((V - R)^2, (old_V + clip(V - old_V, -eps, eps) - R)^2).
+    metadata["clipped"] marks where the clipped term is the larger one (the value gets no gradient)."""
+    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    plain, clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(plain, clipped), {"clipped": (clipped > plain) & response_mask.bool()}
+
+
+def kl_penalty(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence",
+    2020), with r = log pi_ref - log pi clamped to [-20, 20] before any exp:
+    k1 = -r (unbiased, can be negative), k2 = r^2 / 2 (biased, low variance), k3 = exp(r) - r - 1
+    (unbiased, >= 0; DeepSeekMath eq. 4)."""
+    log_ratio = (ref_log_probs - policy_log_probs).clamp(-20.0, 20.0)
+    if estimator == "k1":
+        return -log_ratio
+    elif estimator == "k2":
+        return 0.5 * log_ratio**2
+    elif estimator == "k3":
+        return torch.exp(log_ratio) - log_ratio - 1
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the unmasked tokens: 1 is a perfect critic, 0 no better than a constant."""
+    mask = response_mask.bool()
+    if mask.sum() < 2:
+        return float("nan")
+    v, r = values[mask].float(), returns[mask].float()
+    var = r.var(correction=0)
+    return (1 - (r - v).var(correction=0) / var).item() if var > 0 else float("nan")

@@ -1,0 +1,198 @@
+"""A step's experience: rollouts sampled, scored and filtered, then everything the update needs, computed
+before any weight changes: old-policy and reference log-probs, the critic's values, and the advantages.
+
+The advantage estimator is picked here, in one place (`compute_advantages`):
+- grpo: reward minus the group mean, over the group std when --use_std_normalization (DeepSeekMath eq. 3;
+  Dr. GRPO without the std). One number per trace, on every token of every row of the trace.
+- rloo: reward minus the mean of the other group members (Ahmadian et al. 2024). Per trace.
+- reinforce_pp: REINFORCE++ (Hu 2025): per-token discounted return-to-go, whitened over the batch.
+- reinforce_pp_baseline: the same after subtracting the group mean from each reward.
+- gae: PPO's generalised advantage estimation with a learned critic (Schulman et al. 2016), whitened
+  over the batch's tokens as PPO does; the returns are the critic's targets.
+With --kl_in_reward the per-token KL to the reference (estimator --kl_estimator) times --kl_coef is
+subtracted from the token rewards (the PPO / REINFORCE++ way); the per-trace estimators use the trace's
+reward minus its summed penalty.
+
+Everything is a padded (rows, T) tensor over the kept traces' rows, in trace order, on the CPU; the
+training loop slices microbatches out of it.
+"""
+
+import time
+
+import torch
+
+from alignment import tir
+from alignment.estimators import (compute_gae_advantages, compute_reinforce_pp_advantages, compute_rloo_advantages,
+                                  explained_variance, kl_penalty, outcome_token_rewards, subtract_group_mean)
+from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts
+from alignment.grpo import compute_group_normalized_rewards, filter_groups
+from alignment.rollout import traces
+from alignment.sampling import SamplingParams, derive_seed
+from alignment.tokens import rollout_log_probs, rollout_values
+
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+TOKEN_LEVEL = ("reinforce_pp", "reinforce_pp_baseline", "gae")  # need one row per trace
+
+
+def questions_at(rows: list[dict], position: int, count: int, seed: int) -> list[dict]:
+    """`count` questions from position `position` of an endless stream: a seeded permutation of the
+    rows per epoch, read in order. A pure function of (position, seed); the loop keeps the position (how
+    many questions it has drawn) in its checkpoint, so a resumed run draws what the uninterrupted run
+    would have, also when dynamic sampling drew extra questions."""
+    picked = []
+    for index in range(position, position + count):
+        epoch, offset = divmod(index, len(rows))
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        picked.append(rows[order[offset]])
+    return picked
+
+
+def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, score) -> tuple[dict, int]:
+    """Sample, score and (with dynamic sampling) filter groups for one step; returns the batch and the
+    new stream position. DAPO's refill (section 3.2): while fewer than rollout_batch_size / group_size
+    informative groups were kept, draw that many more questions, up to --max_sampling_rounds rounds;
+    the kept groups are cut to one batch. Rewards are logged over every sampled trace.
+
+    batch = {"traces": kept traces (lists of rows), "raw_rewards": (kept traces,),
+             "metrics": reward and sampling numbers, "samples": full rollouts for rollouts.jsonl,
+             "seconds": {"sample", "score"}}.
+    """
+    questions = args.rollout_batch_size // args.group_size
+    filtering = args.filter_low is not None or args.filter_high is not None
+    stop = PROMPT_SETTINGS[args.prompt][1]
+    kept, raw_rewards, metas, samples, mode_rows, lengths = [], [], [], [], [], []
+    seconds = {"sample": 0.0, "score": 0.0}
+    for sampling_round in range(1, args.max_sampling_rounds + 1):
+        start = time.perf_counter()
+        batch = questions_at(rows, drawn, questions, args.seed)
+        drawn += questions
+        prompt_texts, prompt_ids = build_prompts(tokenizer, batch, args.prompt, args.chat_template)
+        params = SamplingParams(n=args.group_size, temperature=args.sampling_temperature, top_p=args.sampling_top_p,
+                                max_tokens=args.sampling_max_tokens, stop=stop, logprobs=True,
+                                seed=derive_seed(args.seed, step, sampling_round))
+        round_traces = traces(ROLLOUT_MODES[args.rollout_mode](sampler, tokenizer, prompt_ids, params, args))
+        seconds["sample"] += time.perf_counter() - start
+        start = time.perf_counter()
+        scores = []
+
+        def score_and_keep(row, truth):
+            scores.append(score(row, truth))
+            return scores[-1]
+        _, raw, meta = compute_group_normalized_rewards(
+            score_and_keep, [t[-1] for t in round_traces], [batch[t[-1].group_id]["answer"] for t in round_traces],
+            args.group_size, args.advantage_eps, args.use_std_normalization)
+        keep = torch.ones(len(round_traces), dtype=torch.bool)
+        if filtering:
+            accuracy = torch.tensor([float(s["answer_reward"]) for s in scores])
+            keep = filter_groups(raw, args.group_size, args.filter_low, args.filter_high, accuracy=accuracy)
+        metas.append(meta)
+        seconds["score"] += time.perf_counter() - start
+        mode_rows += [t[-1] for t in round_traces]
+        lengths += [sum(sum(r.loss_mask) for r in t) for t in round_traces]  # sampled tokens per trace
+        samples += [{"prompt": prompt_texts[t[-1].group_id], "response": t[-1].text, "reward": r,
+                     "ground_truth": batch[t[-1].group_id]["answer"], "rows": len(t), "stats": t[-1].stats}
+                    for t, r in zip(round_traces, raw.tolist())]
+        for i in keep.nonzero().flatten().tolist():
+            kept.append(round_traces[i])
+            raw_rewards.append(raw[i])
+        if not filtering or len(kept) >= args.rollout_batch_size:
+            break
+    kept, raw_rewards = kept[:args.rollout_batch_size], raw_rewards[:args.rollout_batch_size]
+    metrics = {key: sum(m[key] for m in metas) / len(metas) for key in metas[0]}  # rounds are of equal size
+    metrics = {"reward": metrics.pop("reward_mean"), "format_reward": metrics.get("format_reward_mean", 0.0),
+               "answer_reward": metrics.get("answer_reward_mean", 0.0), "zero_std_groups": metrics["zero_std_fraction"],
+               "response_tokens": sum(lengths) / len(lengths),
+               "kept_traces": len(kept), "sampling_rounds": len(metas), "questions_sampled": len(metas) * questions}
+    if args.rollout_mode == "tir":
+        metrics.update(tir.tir_metrics(mode_rows, [s["reward"] for s in samples]))
+    batch = {"traces": kept, "raw_rewards": torch.stack(raw_rewards) if kept else torch.zeros(0), "metrics": metrics,
+             "samples": samples, "seconds": seconds}
+    return batch, drawn
+
+
+def build_experience(args, batch: dict, policy, reference, critic, autocast) -> dict:
+    """Padded (rows, T) tensors for the update of the kept traces: `mask` (loss mask), `row_trace` (rows,),
+    `advantages`, `raw_rewards` (rows,: the trace's reward, for no_baseline), `old_log_probs` (None when
+    on-policy without KL in the reward: the loop then uses its own detached log-probs), `ref_log_probs`
+    (None without a reference), `old_values` and `returns` (gae only), and `metrics`."""
+    rows = [row for trace in batch["traces"] for row in trace]
+    row_trace = torch.tensor([i for i, trace in enumerate(batch["traces"]) for _ in trace])
+    width = max(len(r.response_ids) for r in rows)
+    mask = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        mask[i, :len(row.loss_mask)] = torch.tensor(row.loss_mask, dtype=torch.float32)
+    on_policy = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.rollout_batch_size
+    temperature = args.sampling_temperature
+
+    def log_probs(model):
+        return no_grad_rows(lambda p, r: rollout_log_probs(model, p, r, temperature=temperature)["log_probs"],
+                            model, rows, width, args.train_mini_batch_size, autocast)
+    old = log_probs(policy) if not on_policy or args.kl_in_reward else None
+    ref = log_probs(reference) if reference is not None else None
+    token_kl = kl_penalty(old, ref, args.kl_estimator) if args.kl_in_reward else None
+    values = (no_grad_rows(lambda p, r: rollout_values(critic, p, r), critic, rows, width,
+                           args.train_mini_batch_size, autocast) if critic is not None else None)
+    advantages, returns = compute_advantages(args, batch["raw_rewards"], mask, row_trace, token_kl, values)
+    metrics = {}
+    if values is not None:
+        metrics = {"value_mean": (values * mask).sum().item() / mask.sum().clamp(min=1).item(),
+                   "explained_variance": explained_variance(values, returns, mask)}
+    if token_kl is not None:
+        metrics["kl_in_reward"] = (token_kl * mask).sum().item() / mask.sum().clamp(min=1).item()
+    return {"rows": rows, "row_trace": row_trace, "mask": mask, "advantages": advantages,
+            "raw_rewards": batch["raw_rewards"][row_trace], "old_log_probs": old, "ref_log_probs": ref,
+            "old_values": values, "returns": returns, "metrics": metrics}
+
+
+def compute_advantages(args, rewards: torch.Tensor, mask: torch.Tensor, row_trace: torch.Tensor,
+                       token_kl: torch.Tensor | None, values: torch.Tensor | None):
+    """(advantages, returns) for --advantage_estimator: the one place that branches on it. Advantages are
+    (rows, 1) for the per-trace estimators and (rows, T) for the per-token ones; returns (rows, T) for gae,
+    else None. `rewards` (traces,) in consecutive groups; `row_trace` maps rows to traces."""
+    penalty = -args.kl_coef * token_kl * mask if token_kl is not None else torch.zeros_like(mask)  # (rows, T)
+    estimator, n = args.advantage_estimator, args.group_size
+    returns = None
+    if estimator in ("grpo", "rloo"):
+        trace_rewards = rewards.float() + torch.zeros_like(rewards, dtype=torch.float32).index_add(
+            0, row_trace, penalty.sum(-1))  # the trace's reward minus its summed KL penalty
+        if estimator == "grpo":
+            per_trace, _, _ = compute_group_normalized_rewards(
+                lambda reward, _: {"reward": reward}, trace_rewards.tolist(), [None] * len(trace_rewards), n,
+                args.advantage_eps, args.use_std_normalization)
+        else:
+            per_trace = compute_rloo_advantages(trace_rewards, n)
+        advantages = per_trace[row_trace][:, None]  # (rows, 1): the same on every token
+    else:  # token level: one row per trace (checked at parse time)
+        base = subtract_group_mean(rewards, n) if estimator == "reinforce_pp_baseline" else rewards
+        token_rewards = outcome_token_rewards(base[row_trace], mask) + penalty
+        if estimator == "gae":
+            advantages, returns = compute_gae_advantages(token_rewards, values, mask, args.gamma, args.lam)
+            advantages = whiten(advantages, mask)
+        else:
+            advantages = compute_reinforce_pp_advantages(token_rewards, mask, args.gamma)
+    return advantages, returns
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the unmasked entries (population variance); 0 where masked."""
+    kept = mask.bool()
+    if kept.sum() < 2:
+        return torch.where(kept, values, 0.0)
+    mean, var = values[kept].mean(), values[kept].var(correction=0)
+    return torch.where(kept, (values - mean) / torch.sqrt(var + 1e-8), 0.0)
+
+
+@torch.no_grad()
+def no_grad_rows(fn, model, rows, width: int, microbatch: int, autocast) -> torch.Tensor:
+    """`fn(prompts, responses)` -> (b, t) over all rows in microbatches, without gradient, in eval mode:
+    a (rows, width) float32 CPU tensor (0 past each row's end)."""
+    was_training = model.training
+    model.eval()
+    out = torch.zeros(len(rows), width)
+    for first in range(0, len(rows), microbatch):
+        part = rows[first:first + microbatch]
+        with autocast:
+            values = fn([r.prompt_ids for r in part], [r.response_ids for r in part])
+        out[first:first + len(part), :values.shape[1]] = values.float().cpu()
+    model.train(was_training)
+    return out
