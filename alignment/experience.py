@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from alignment import tir
+from alignment import distributed, tir
 from alignment.estimators import (compute_gae_advantages, compute_reinforce_pp_advantages, compute_rloo_advantages,
                                   explained_variance, kl_penalty, outcome_token_rewards, subtract_group_mean)
 from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts
@@ -53,23 +53,29 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     informative groups were kept, draw that many more questions, up to --max_sampling_rounds rounds;
     the kept groups are cut to one batch. Rewards are logged over every sampled trace.
 
+    Under torchrun each rank samples its own share of each round's questions (whole groups, so group
+    normalisation stays local), with its own seeds; a round is the last when every rank has its share of
+    kept groups (a collective decision), and the logged numbers are over all ranks.
+
     batch = {"traces": kept traces (lists of rows), "raw_rewards": (kept traces,),
              "metrics": reward and sampling numbers, "samples": full rollouts for rollouts.jsonl,
              "seconds": {"sample", "score"}}.
     """
-    questions = args.rollout_batch_size // args.group_size
+    questions = args.rollout_batch_size // args.group_size  # per round, over all ranks
+    share, rank = questions // distributed.world_size(), distributed.rank()
+    wanted = share * args.group_size  # kept traces this rank needs
     filtering = args.filter_low is not None or args.filter_high is not None
     stop = PROMPT_SETTINGS[args.prompt][1]
     kept, raw_rewards, metas, samples, mode_rows, lengths = [], [], [], [], [], []
     seconds = {"sample": 0.0, "score": 0.0}
     for sampling_round in range(1, args.max_sampling_rounds + 1):
         start = time.perf_counter()
-        batch = questions_at(rows, drawn, questions, args.seed)
+        batch = questions_at(rows, drawn + rank * share, share, args.seed)
         drawn += questions
         prompt_texts, prompt_ids = build_prompts(tokenizer, batch, args.prompt, args.chat_template)
         params = SamplingParams(n=args.group_size, temperature=args.sampling_temperature, top_p=args.sampling_top_p,
                                 max_tokens=args.sampling_max_tokens, stop=stop, logprobs=True,
-                                seed=derive_seed(args.seed, step, sampling_round))
+                                seed=derive_seed(args.seed, step, sampling_round, *(("rank", rank) if rank else ())))
         round_traces = traces(ROLLOUT_MODES[args.rollout_mode](sampler, tokenizer, prompt_ids, params, args))
         seconds["sample"] += time.perf_counter() - start
         start = time.perf_counter()
@@ -95,9 +101,9 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
         for i in keep.nonzero().flatten().tolist():
             kept.append(round_traces[i])
             raw_rewards.append(raw[i])
-        if not filtering or len(kept) >= args.rollout_batch_size:
+        if not filtering or distributed.global_min(len(kept) >= wanted):
             break
-    kept, raw_rewards = kept[:args.rollout_batch_size], raw_rewards[:args.rollout_batch_size]
+    kept, raw_rewards = kept[:wanted], raw_rewards[:wanted]
     metrics = {key: sum(m[key] for m in metas) / len(metas) for key in metas[0]}  # rounds are of equal size
     metrics = {"reward": metrics.pop("reward_mean"), "format_reward": metrics.get("format_reward_mean", 0.0),
                "answer_reward": metrics.get("answer_reward_mean", 0.0), "zero_std_groups": metrics["zero_std_fraction"],
@@ -105,6 +111,8 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
                "kept_traces": len(kept), "sampling_rounds": len(metas), "questions_sampled": len(metas) * questions}
     if args.rollout_mode == "tir":
         metrics.update(tir.tir_metrics(mode_rows, [s["reward"] for s in samples]))
+    counts = ("kept_traces", "questions_sampled")  # summed over ranks; the rest are means of equal shares
+    metrics = {k: distributed.global_sum(v) / (1 if k in counts else distributed.world_size()) for k, v in metrics.items()}
     batch = {"traces": kept, "raw_rewards": torch.stack(raw_rewards) if kept else torch.zeros(0), "metrics": metrics,
              "samples": samples, "seconds": seconds}
     return batch, drawn
@@ -115,24 +123,26 @@ def build_experience(args, batch: dict, policy, reference, critic, autocast) -> 
     `advantages`, `raw_rewards` (rows,: the trace's reward, for no_baseline), `old_log_probs` (None when
     on-policy without KL in the reward: the loop then uses its own detached log-probs), `ref_log_probs`
     (None without a reference), `old_values` and `returns` (gae only), and `metrics`."""
-    rows = [row for trace in batch["traces"] for row in trace]
-    row_trace = torch.tensor([i for i, trace in enumerate(batch["traces"]) for _ in trace])
-    width = max(len(r.response_ids) for r in rows)
+    rows = [row for trace in batch["traces"] for row in trace]  # none on a rank that kept no group
+    row_trace = torch.tensor([i for i, trace in enumerate(batch["traces"]) for _ in trace], dtype=torch.long)
+    width = max((len(r.response_ids) for r in rows), default=1)
     mask = torch.zeros(len(rows), width)
     for i, row in enumerate(rows):
         mask[i, :len(row.loss_mask)] = torch.tensor(row.loss_mask, dtype=torch.float32)
     on_policy = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.rollout_batch_size
     temperature = args.sampling_temperature
 
-    def log_probs(model):
-        return no_grad_rows(lambda p, r: rollout_log_probs(model, p, r, temperature=temperature)["log_probs"],
-                            model, rows, width, args.train_mini_batch_size, autocast)
-    old = log_probs(policy) if not on_policy or args.kl_in_reward else None
+    def log_probs(model, sharded=False):  # the sharded policy: one collective forward per microbatch
+        return no_grad_rows(lambda p, r: rollout_log_probs(model, p, r, temperature=temperature,
+                                                           one_forward=sharded)["log_probs"],
+                            model, rows, width, args.train_mini_batch_size, autocast, collective=sharded)
+    old = log_probs(policy, distributed.launched()) if not on_policy or args.kl_in_reward else None
     ref = log_probs(reference) if reference is not None else None
     token_kl = kl_penalty(old, ref, args.kl_estimator) if args.kl_in_reward else None
     values = (no_grad_rows(lambda p, r: rollout_values(critic, p, r), critic, rows, width,
                            args.train_mini_batch_size, autocast) if critic is not None else None)
-    advantages, returns = compute_advantages(args, batch["raw_rewards"], mask, row_trace, token_kl, values)
+    advantages, returns = (compute_advantages(args, batch["raw_rewards"], mask, row_trace, token_kl, values) if rows
+                           else (torch.zeros(0, 1), None))
     metrics = {}
     if values is not None:
         metrics = {"value_mean": (values * mask).sum().item() / mask.sum().clamp(min=1).item(),
@@ -183,16 +193,21 @@ def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def no_grad_rows(fn, model, rows, width: int, microbatch: int, autocast) -> torch.Tensor:
+def no_grad_rows(fn, model, rows, width: int, microbatch: int, autocast, collective: bool = False) -> torch.Tensor:
     """`fn(prompts, responses)` -> (b, t) over all rows in microbatches, without gradient, in eval mode:
-    a (rows, width) float32 CPU tensor (0 past each row's end)."""
+    a (rows, width) float32 CPU tensor (0 past each row's end). `collective`: `model` is sharded, so
+    every rank makes as many calls as the busiest one (the extra ones on a one-token dummy row)."""
     was_training = model.training
     model.eval()
     out = torch.zeros(len(rows), width)
-    for first in range(0, len(rows), microbatch):
-        part = rows[first:first + microbatch]
+    calls = -(-len(rows) // microbatch)
+    for call in range(distributed.even_out(calls) if collective else calls):
+        part = rows[call * microbatch:(call + 1) * microbatch]
         with autocast:
+            if not part:
+                fn([[0]], [[0]])
+                continue
             values = fn([r.prompt_ids for r in part], [r.response_ids for r in part])
-        out[first:first + len(part), :values.shape[1]] = values.float().cpu()
+        out[call * microbatch:call * microbatch + len(part), :values.shape[1]] = values.float().cpu()
     model.train(was_training)
     return out

@@ -16,6 +16,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
                           LlamaForCausalLM)
 
+from alignment import distributed
 from alignment.errors import MissingFileError, UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -160,30 +161,44 @@ def load_policy(name: str, device: str = "cpu", dtype: torch.dtype | None = None
 
 
 def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None = None, extra: dict | None = None,
-                    submodels: dict | None = None):
+                    submodels: dict | None = None, optimizer=None):
     """Write weights + tokenizer + resolved config atomically: a crash mid-save leaves the old copy.
 
-    `extra` maps file names to objects saved with torch.save next to the weights (optimizer, RNG, ...);
-    `submodels` maps folder names to more models saved inside it in HF format (the critic).
+    `extra` maps file names to objects saved with torch.save next to the weights (RNG, step, ...);
+    `submodels` maps folder names to more models saved inside it in HF format (the critic); `optimizer`'s
+    state goes to optimizer/ with torch.distributed.checkpoint. Under torchrun every rank calls this: the
+    FSDP-sharded weights are gathered into an HF-format export (in the parameters' dtype: fp32 master
+    weights), each rank writes its own optimizer shards, and rank 0 writes the rest and renames.
     """
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if config is not None:
-        (tmp / "run_config.json").write_text(json.dumps(config, indent=2, default=str))
-    for file_name, obj in (extra or {}).items():
-        torch.save(obj, tmp / file_name)
-    for folder, submodel in (submodels or {}).items():
-        submodel.save_pretrained(tmp / folder)
-    old = out_dir.with_name(out_dir.name + ".old")
-    if out_dir.exists():
+    main = distributed.is_main()
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier()
+    full_state = None
+    if distributed.launched():  # gathering is collective: every rank takes part, rank 0 keeps the result
+        full_state = {name: tensor.cpu() for name, tensor in distributed.full_state_items(model)}
+        full_state = full_state if main else None
+    if optimizer is not None:
+        distributed.save_optimizer(tmp / "optimizer", model, optimizer)
+    if main:
+        model.save_pretrained(tmp, state_dict=full_state)
+        tokenizer.save_pretrained(tmp)
+        if config is not None:
+            (tmp / "run_config.json").write_text(json.dumps(config, indent=2, default=str))
+        for file_name, obj in (extra or {}).items():
+            torch.save(obj, tmp / file_name)
+        for folder, submodel in (submodels or {}).items():
+            submodel.save_pretrained(tmp / folder)
+        old = out_dir.with_name(out_dir.name + ".old")
+        if out_dir.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    distributed.barrier()
     return out_dir
 
 

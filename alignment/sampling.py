@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from alignment import distributed
 from alignment.errors import UserError
 
 
@@ -104,8 +105,12 @@ class HFSampler:
         self.eos_ids = sorted(set(eos) | {tokenizer.eos_token_id})
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
-    def load_weights(self, state_dict):
-        self.model.load_state_dict(state_dict)
+    @torch.no_grad()
+    def load_weights(self, weights):
+        """Copy new weights, (name, tensor) pairs (or a state dict), into this sampler's own model."""
+        own = self.model.state_dict()
+        for name, tensor in (weights.items() if isinstance(weights, dict) else weights):
+            own[name].copy_(tensor)
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
@@ -251,11 +256,13 @@ class VLLMSampler:
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
                        logprobs_mode="processed_logprobs", **options)
 
-    def load_weights(self, state_dict):
-        """Copy new policy weights into the running engine (vLLM's in-place reload: it reruns the
-        model's own weight loading, so fused and post-processed layers are rebuilt), then drop the
-        prefix cache, whose keys and values were computed with the old weights."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state_dict.items())})
+    def load_weights(self, weights):
+        """Copy new policy weights, (name, tensor) pairs (or a state dict), into the running engine
+        (vLLM's in-place reload: it reruns the model's own weight loading, so fused and post-processed
+        layers are rebuilt), then drop the prefix cache, whose keys and values were computed with the old
+        weights. The pairs are consumed one at a time: a sharded policy is gathered layer by layer."""
+        weights = weights.items() if isinstance(weights, dict) else weights
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
 
     def generate(self, prompt_token_ids, params: SamplingParams, keys: list | None = None):
@@ -301,7 +308,7 @@ class WeightPush:
         if getattr(sampler, "model", None) is self.policy or self.pushed.get(id(sampler), 0) == self.version:
             return 0.0
         start = time.perf_counter()
-        sampler.load_weights(self.policy.state_dict())
+        sampler.load_weights(distributed.full_state_items(self.policy))
         self.pushed[id(sampler)] = self.version
         return time.perf_counter() - start
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from alignment import data, models
+from alignment import data, distributed, models
 from alignment.args import SFTArgs, parse
 from alignment.errors import MissingFileError, UserError, cli
 from alignment.evaluate import evaluate
@@ -45,7 +45,10 @@ def gsm8k_sft_example(row: dict, template: str) -> dict:
             "response": f" {reasoning} </think> <answer> {row['answer']} </answer>"}
 
 
-def load_sft_examples(args: SFTArgs) -> list[dict]:
+def load_sft_examples(args: SFTArgs, tokenizer=None) -> list[dict]:
+    """{prompt, response} pairs: --train_file, or GSM8K train in the r1_zero format; with
+    --max_response_tokens (needs the tokenizer) only those whose response is at most that long, then the
+    first --max_examples of them."""
     if args.train_file:
         if not Path(args.train_file).exists():
             raise MissingFileError(f"--train_file {args.train_file} does not exist; pass a JSONL of "
@@ -54,6 +57,9 @@ def load_sft_examples(args: SFTArgs) -> list[dict]:
     else:
         template = data.load_prompt("r1_zero")
         examples = [gsm8k_sft_example(row, template) for row in data.load_gsm8k("train", args.data_dir)]
+    if args.max_response_tokens:
+        lengths = [len(ids) for ids in tokenizer([e["response"] for e in examples], add_special_tokens=False).input_ids]
+        examples = [e for e, n in zip(examples, lengths) if n <= args.max_response_tokens]
     return examples[:args.max_examples] if args.max_examples else examples
 
 
@@ -75,9 +81,8 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def run_eval(model, sampler, push: WeightPush, tokenizer, rows, args: SFTArgs, autocast) -> tuple[dict, list[dict]]:
-    """Greedy r1_zero evaluation: the HF sampler runs the policy itself; a vLLM engine gets its weights first."""
-    push(sampler)
+def run_eval(model, sampler, tokenizer, rows, args: SFTArgs, autocast) -> tuple[dict, list[dict]]:
+    """Greedy r1_zero evaluation with `sampler` (the policy itself, or a copy already given its weights)."""
     model.eval()
     params = SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens, seed=args.seed)
     with autocast:
@@ -91,53 +96,68 @@ class MetricsLog:
     checkpoint save replaces the whole folder: `rewrite()` puts the file back after each save, and a
     resumed run starts from the lines saved with its checkpoint (later lines of a crashed run are dropped)."""
 
-    def __init__(self, out_dir: Path, lines: list[str]):
-        self.path = out_dir / "metrics.jsonl"
+    def __init__(self, out_dir: Path, lines: list[str], write: bool = True):
+        self.path, self.write = out_dir / "metrics.jsonl", write  # under torchrun only rank 0 writes
         self.lines = list(lines)
         self.rewrite()
 
     def append(self, record: dict):
         line = json.dumps(record)
         self.lines.append(line)
-        with open(self.path, "a") as f:
-            f.write(line + "\n")
+        if self.write:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
 
     def rewrite(self):
+        if not self.write:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("".join(line + "\n" for line in self.lines))
 
 
 def main(args: SFTArgs) -> dict:
+    # Under torchrun every rank trains on its share of each batch; rank 0 logs, evaluates and saves.
+    device = distributed.setup()
+    world = distributed.world_size()
+    if args.batch_size % (world * args.microbatch_size):
+        raise UserError(f"--batch_size {args.batch_size} must split into {world} process(es) x microbatches of "
+                        f"{args.microbatch_size}; change --batch_size or --microbatch_size.")
+    say = print if distributed.is_main() else (lambda *a: None)
     out_dir = Path(args.output_dir)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
     # Data: every step's batch is a function of (seed, step); see batch_indices.
-    examples = load_sft_examples(args)
+    if args.resume and not (out_dir / STATE_FILE).exists():
+        raise MissingFileError(f"--resume found no {STATE_FILE} in {out_dir}; run without --resume first "
+                               f"or point --output_dir at a folder this script saved.")
+    source = str(out_dir) if args.resume else args.model
+    with distributed.main_first():  # rank 0 converts the packaged model first
+        tokenizer = models.load_tokenizer(source)
+    examples = load_sft_examples(args, tokenizer)
     if len(examples) < args.batch_size:
         raise UserError(f"only {len(examples)} training examples, fewer than --batch_size {args.batch_size}.")
     total_steps = (len(examples) // args.batch_size) * args.epochs
     warmup_steps = max(1, round(args.warmup_ratio * total_steps))
-    accumulation = args.batch_size // args.microbatch_size
+    accumulation = args.batch_size // world // args.microbatch_size  # microbatches per rank and step
     eval_rows = data.load_gsm8k("test", args.data_dir)[:args.eval_limit]
 
-    # Policy: same device logic as RL (one device, or split layer-wise over GPUs). fp32 master weights;
-    # on GPU the forward runs under bf16 autocast with gradient checkpointing.
-    if args.resume and not (out_dir / STATE_FILE).exists():
-        raise MissingFileError(f"--resume found no {STATE_FILE} in {out_dir}; run without --resume first "
-                                f"or point --output_dir at a folder this script saved.")
-    source = str(out_dir) if args.resume else args.model
-    roles = models.assign_device_roles(models.available_devices())
+    # Policy: same device logic as RL (one device, or split layer-wise over GPUs; FSDP2-sharded under
+    # torchrun). fp32 master weights; on GPU the forward runs in bf16 with gradient checkpointing.
+    roles = {"policy": [device]} if device else models.assign_device_roles(models.available_devices())
     input_device = roles["policy"][0]
     dtype, autocast = models.train_precision(input_device)
     model = models.load_policy_model(source, roles["policy"], dtype)
-    tokenizer = models.load_tokenizer(source)
     if input_device.startswith("cuda"):
         model.gradient_checkpointing_enable()
+    if device:
+        distributed.shard(model, device)
     model.train()
 
+    # Evaluation samples with the policy itself, or with its own copy (vLLM, or HF beside a sharded policy).
     backend = pick_backend(args.backend, input_device)
-    sampler = make_sampler(backend, model, tokenizer, models.resolve_model(source), input_device,
+    eval_model = models.load_model(source, input_device) if device and backend == "hf" else model
+    sampler = make_sampler(backend, eval_model, tokenizer, models.resolve_model(source), input_device,
                            batch_size=args.eval_batch_size, seed=args.seed, **args.vllm_options())
     push = WeightPush(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -145,43 +165,50 @@ def main(args: SFTArgs) -> dict:
     start_step, metric_lines = 0, []
     if args.resume:
         state = torch.load(out_dir / STATE_FILE, weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        distributed.load_optimizer(out_dir / "optimizer", model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         start_step = state["step"]
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         metric_lines = state["metrics"]
-    log = MetricsLog(out_dir, metric_lines)
-    print(f"[sft] {source}: {len(examples)} examples x {args.epochs} epoch(s) = {total_steps} steps of "
-          f"{args.batch_size} ({accumulation} microbatches of {args.microbatch_size}), lr {args.lr:g}, "
-          f"warmup {warmup_steps}, policy on {', '.join(roles['policy'])}, starting at step {start_step}")
+    log = MetricsLog(out_dir, metric_lines, write=distributed.is_main())
+    say(f"[sft] {source}: {len(examples)} examples x {args.epochs} epoch(s) = {total_steps} steps of "
+        f"{args.batch_size} ({world} process(es) x {accumulation} microbatches of {args.microbatch_size}), "
+        f"lr {args.lr:g}, warmup {warmup_steps}, policy on {', '.join(roles['policy'])}, starting at step {start_step}")
 
-    def evaluate_and_log(step: int) -> dict:
-        summary, records = run_eval(model, sampler, push, tokenizer, eval_rows, args, autocast)
-        print(f"[eval] step {step} | format {summary['avg_format_rewards']:.3f} | answer "
-              f"{summary['avg_answer_rewards']:.3f} | reward {summary['avg_all_rewards']:.3f} | len "
-              f"{summary['mean_response_tokens']:.0f} | {summary['generation_s']:.0f}s")
-        log.append({"step": step, "eval": summary, "samples": records[:3]})
+    def evaluate_and_log(step: int) -> dict | None:
+        push(sampler)  # every rank: gathering sharded weights is collective
+        summary = None
+        if distributed.is_main():
+            summary, records = run_eval(model, sampler, tokenizer, eval_rows, args, autocast)
+            say(f"[eval] step {step} | format {summary['avg_format_rewards']:.3f} | answer "
+                f"{summary['avg_answer_rewards']:.3f} | reward {summary['avg_all_rewards']:.3f} | len "
+                f"{summary['mean_response_tokens']:.0f} | {summary['generation_s']:.0f}s")
+            log.append({"step": step, "eval": summary, "samples": records[:3]})
+        distributed.barrier()
         return summary
 
     def save(step: int):
-        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+        state = {"scheduler": scheduler.state_dict(), "step": step,
                  "epoch": step * args.batch_size / len(examples), "examples_seen": step * args.batch_size,
                  "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "metrics": log.lines}
-        models.save_checkpoint(model, tokenizer, out_dir, config=asdict(args), extra={STATE_FILE: state})
+        models.save_checkpoint(model, tokenizer, out_dir, config=asdict(args), extra={STATE_FILE: state},
+                               optimizer=optimizer)
         log.rewrite()
 
     first_eval = evaluate_and_log(start_step) if start_step == 0 else None
     last_eval = first_eval
     start_time = time.perf_counter()
-    bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, desc="sft", unit="step")
+    bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, desc="sft", unit="step",
+               disable=not distributed.is_main())
     for step in bar:
         step_start = time.perf_counter()
         batch = [examples[i] for i in batch_indices(step, len(examples), args.batch_size, args.seed)]
         batch.sort(key=lambda e: len(e["prompt"]) + len(e["response"]))  # less padding per microbatch
+        batch = batch[distributed.rank()::world]  # this rank's share (all of it in one process)
         optimizer.zero_grad(set_to_none=True)
         nll, n_response_tokens, n_tokens = 0.0, 0, 0
-        for i in range(0, args.batch_size, args.microbatch_size):
+        for i in range(0, len(batch), args.microbatch_size):
             micro = batch[i:i + args.microbatch_size]
             tokens = tokenize_prompt_and_output([e["prompt"] for e in micro],
                                                 [e["response"] + tokenizer.eos_token for e in micro], tokenizer)
@@ -193,7 +220,8 @@ def main(args: SFTArgs) -> dict:
             nll -= (log_probs.detach() * mask).sum().item()
             n_response_tokens += int(meta["num_response_tokens"])
             n_tokens += input_ids.numel()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+        grad_norm = distributed.grad_norm_and_clip(model, args.max_grad_norm)
+        nll, n_response_tokens, n_tokens = (distributed.global_sum(x) for x in (nll, n_response_tokens, n_tokens))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -202,7 +230,7 @@ def main(args: SFTArgs) -> dict:
         record = {"step": step + 1, "loss": nll / max(n_response_tokens, 1), "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": n_tokens / seconds, "response_tokens": n_response_tokens, "seconds": seconds}
         log.append(record)
-        tqdm.write(f"step {step + 1}/{total_steps} | loss {record['loss']:.3f} | lr {lr:.1e} | grad "
+        say(f"step {step + 1}/{total_steps} | loss {record['loss']:.3f} | lr {lr:.1e} | grad "
                    f"{grad_norm:.2f} | tok/s {record['tokens_per_s']:.0f} | {seconds:.1f}s")
         done = step + 1 == total_steps
         if done or (args.eval_every and (step + 1) % args.eval_every == 0):
@@ -211,7 +239,7 @@ def main(args: SFTArgs) -> dict:
             save(step + 1)
     bar.close()
     elapsed = time.perf_counter() - start_time
-    print(f"[sft] {total_steps - start_step} steps in {elapsed:.0f}s; saved {out_dir}"
+    say(f"[sft] {total_steps - start_step} steps in {elapsed:.0f}s; saved {out_dir}"
           f" (evaluate with `uv run -m alignment.evaluate --model {out_dir}`)")
     return {"steps": total_steps, "start_step": start_step, "first_eval": first_eval, "last_eval": last_eval,
             "last_loss": record["loss"] if total_steps > start_step else None, "train_seconds": elapsed}

@@ -70,7 +70,7 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
 
 def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]],
                       return_token_entropy: bool = False, temperature: float = 1.0,
-                      entropy_grad: bool = False) -> dict[str, torch.Tensor]:
+                      entropy_grad: bool = False, one_forward: bool = False) -> dict[str, torch.Tensor]:
     """log pi(response_t | prompt, response_<t) for rows given as token ids, (B, T) right-padded to the
     longest response (padding reads 0), differentiable; optionally `token_entropy` (B, T), no gradient.
     pi is softmax(logits / temperature): pass the sampling temperature, so that the current, old and
@@ -82,7 +82,14 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     share a prompt (the group_size responses to one question) run that prompt through the model once,
     with gradient, and attend to copies of its KV cache; and the vocab projection is applied only at
     response positions, never over the prompt.
+
+    `one_forward`: instead, exactly one call of the whole model over the right-padded prompt + response
+    rows. FSDP needs it: every rank must make the same number of calls of the sharded root (the number
+    of distinct prompts in a microbatch differs between ranks), and the root's own parameters (embeddings,
+    head) are gathered only when the root itself is called.
     """
+    if one_forward:
+        return _one_forward_log_probs(model, prompts, responses, return_token_entropy, temperature, entropy_grad)
     device = next(model.parameters()).device
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     by_prompt: dict[tuple, list[int]] = {}
@@ -114,6 +121,30 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     result = {"log_probs": pad(row_log_probs, batch_first=True)}
     if return_token_entropy:
         result["token_entropy"] = pad(row_entropy, batch_first=True)
+    return result
+
+
+def _one_forward_log_probs(model, prompts, responses, return_token_entropy, temperature, entropy_grad) -> dict:
+    device = next(model.parameters()).device
+    rows = [list(p) + list(r[:-1]) for p, r in zip(prompts, responses)]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long, device=device)  # right padding
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+    logits = model(input_ids=ids).logits  # (B, L, V)
+    logits = torch.nn.utils.rnn.pad_sequence(
+        [logits[i, len(p) - 1:len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(prompts, responses))],
+        batch_first=True)  # (B, T, V): the positions that predict response tokens
+    logits = _tempered(logits, temperature)
+    labels = torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=torch.long) for r in responses],
+                                             batch_first=True).to(device)
+    valid = labels.new_zeros(labels.shape, dtype=torch.bool)
+    for i, r in enumerate(responses):
+        valid[i, :len(r)] = True
+    log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    result = {"log_probs": torch.where(valid, log_probs, 0.0)}
+    if return_token_entropy:
+        entropy = compute_entropy(logits if entropy_grad else logits.detach())
+        result["token_entropy"] = torch.where(valid, entropy, 0.0)
     return result
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from alignment import data, models, tir
+from alignment import data, distributed, models, tir
 from alignment.args import RLArgs, parse, to_dict
 from alignment.errors import MissingFileError, UserError, cli
 from alignment.estimators import compute_value_loss
@@ -103,15 +103,27 @@ def setup_run(args: RLArgs) -> tuple[Path, str, dict | None]:
 
 
 def main(args: RLArgs) -> dict:
-    run_dir, start_model, state = setup_run(args)
+    # Under torchrun every rank runs this whole loop on its own device, on its share of the questions.
+    device = distributed.setup()
+    if device:
+        distributed.refuse({"--sample_device": args.sample_device, "--reference_model_device": args.reference_model_device,
+                            "--eval_device": args.eval_device, "--critic_device": args.critic_device})
+        if args.advantage_estimator == "gae" or args.backend == "vllm":
+            raise UserError("under torchrun this loop samples with HF on each rank and has no sharded critic yet: "
+                            "use --backend hf and an estimator other than gae, or run without torchrun.")
+    with distributed.main_first():  # rank 0 converts the packaged model and makes the run folder first
+        run_dir, start_model, state = setup_run(args)
+    run_dir = Path(distributed.gather_objects(str(run_dir))[0])  # a default name holds the time: rank 0's wins
     weights_from = str(run_dir / "checkpoint") if state else start_model
-    roles = models.assign_device_roles(models.available_devices(), args.sample_device,
-                                       args.reference_model_device, args.eval_device, args.critic_device)
+    roles = (dict(policy=[device], sample=device, reference=device, eval=device, critic=device) if device else
+             models.assign_device_roles(models.available_devices(), args.sample_device, args.reference_model_device,
+                                        args.eval_device, args.critic_device))
     backend = pick_backend(args.backend, roles["sample"])
-    print(f"[train_rl] {args.loss_type} on {args.dataset} from {weights_from}; devices {roles}; sampler {backend}; "
-          f"run folder {run_dir}")
+    log = tqdm.write if distributed.is_main() else (lambda *a: None)
+    log(f"[train_rl] {args.loss_type} on {args.dataset} from {weights_from}; devices {roles}; sampler {backend}; "
+        f"{distributed.world_size()} process(es); run folder {run_dir}")
     if args.sampling_top_p < 1:
-        print(f"[train_rl] warning: --sampling_top_p {args.sampling_top_p} samples from the nucleus but the loss "
+        log(f"[train_rl] warning: --sampling_top_p {args.sampling_top_p} samples from the nucleus but the loss "
               f"scores the full softmax at T={args.sampling_temperature}: the policy gradient is biased.")
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -120,15 +132,19 @@ def main(args: RLArgs) -> dict:
     eval_name = args.eval_dataset or args.dataset
     eval_rows = data.load_dataset(eval_name, "test", args.data_dir, size=args.eval_limit, seed=args.seed)[:args.eval_limit]
 
-    # Models: the policy (trained, fp32 master weights), the sampler (shares the policy's weights when
-    # it can), the frozen reference for the KL penalty (the run's starting model, also after a resume;
-    # only when kl_coef > 0), the critic (gae only), and the evaluation sampler.
+    # Models: the policy (trained, fp32 master weights; FSDP2-sharded under torchrun), the sampler (shares
+    # the policy's weights when it can, else its own copy), the frozen reference for the KL penalty (the
+    # run's starting model, also after a resume; only when kl_coef > 0), the critic (gae only), and the
+    # evaluation sampler.
     tokenizer = models.load_tokenizer(weights_from)
     dtype, autocast = models.train_precision(roles["policy"][0], args.bf16_weights)
     policy = models.load_policy_model(weights_from, roles["policy"], dtype)
+    if device:
+        distributed.shard(policy, device)
     if backend == "hf":
-        sampler = HFSampler(policy if roles["policy"] == [roles["sample"]] else
-                            models.load_model(weights_from, roles["sample"]), tokenizer, args.sample_batch_size)
+        shares = roles["policy"] == [roles["sample"]] and not device
+        sampler = HFSampler(policy if shares else models.load_model(weights_from, roles["sample"]), tokenizer,
+                            args.sample_batch_size)
     else:
         sampler = make_sampler(backend, None, tokenizer, models.resolve_model(weights_from), roles["sample"],
                                seed=args.seed, **args.vllm_options())
@@ -149,35 +165,41 @@ def main(args: RLArgs) -> dict:
     score = make_scorer(args)
     start_step, bad_steps, drawn = 0, 0, 0  # drawn: questions taken from the stream so far
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        distributed.load_optimizer(run_dir / "checkpoint" / "optimizer", policy, optimizer)
         if critic is not None:
             critic_optimizer.load_state_dict(state["critic_optimizer"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         start_step, bad_steps, drawn = state["step"], state["bad_steps"], state["questions_drawn"]
-        _truncate_jsonl(run_dir / "metrics.jsonl", start_step)
-        _truncate_jsonl(run_dir / "rollouts.jsonl", start_step)
-        print(f"[train_rl] resumed from {run_dir / 'checkpoint'} at step {start_step}")
-    logger = make_logger(args.logger, run_dir, to_dict(args))
-    (run_dir / "config.json").write_text(json.dumps({**to_dict(args), "start_model": start_model}, indent=2))
+        if distributed.is_main():
+            _truncate_jsonl(run_dir / "metrics.jsonl", start_step)
+            _truncate_jsonl(run_dir / "rollouts.jsonl", start_step)
+        log(f"[train_rl] resumed from {run_dir / 'checkpoint'} at step {start_step}")
+    # Rank 0 logs, writes metrics and rollouts, and evaluates; the others stand in for it with no-ops.
+    logger = make_logger(args.logger, run_dir, to_dict(args)) if distributed.is_main() else NullLogger()
+    append = _append_jsonl if distributed.is_main() else (lambda *a: None)
+    if distributed.is_main():
+        (run_dir / "config.json").write_text(json.dumps({**to_dict(args), "start_model": start_model}, indent=2))
 
-    def run_eval(step: int) -> dict:
-        push(eval_sampler)
-        policy.eval()
-        with autocast:
-            summary, _ = evaluate(eval_sampler, tokenizer, eval_rows, args.prompt,
-                                  SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens),
-                                  args.chat_template, args.rollout_mode, args)
-        metrics = {"step": step, **{f"eval_{k}": v for k, v in summary.items()}}
-        _append_jsonl(run_dir / "metrics.jsonl", metrics)
-        logger.log(metrics, step)
-        tqdm.write(f"eval  {step}/{args.n_steps} | {eval_name} x{summary['count']} | format {summary['avg_format_rewards']:.3f}"
-                   f" | answer {summary['avg_answer_rewards']:.3f} | reward {summary['avg_all_rewards']:.3f}")
-        return summary
+    def run_eval(step: int):
+        push(eval_sampler)  # every rank: gathering sharded weights is collective
+        if distributed.is_main():
+            policy.eval()
+            with autocast:
+                summary, _ = evaluate(eval_sampler, tokenizer, eval_rows, args.prompt,
+                                      SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens),
+                                      args.chat_template, args.rollout_mode, args)
+            metrics = {"step": step, **{f"eval_{k}": v for k, v in summary.items()}}
+            append(run_dir / "metrics.jsonl", metrics)
+            logger.log(metrics, step)
+            log(f"eval  {step}/{args.n_steps} | {eval_name} x{summary['count']} | format {summary['avg_format_rewards']:.3f}"
+                f" | answer {summary['avg_answer_rewards']:.3f} | reward {summary['avg_all_rewards']:.3f}")
+        distributed.barrier()
 
     if args.eval_every and start_step == 0:
         run_eval(0)
-    bar = tqdm(range(start_step, args.n_steps), desc="rl", unit="step", initial=start_step, total=args.n_steps)
+    bar = tqdm(range(start_step, args.n_steps), desc="rl", unit="step", initial=start_step, total=args.n_steps,
+               disable=not distributed.is_main())
     for step in bar:
         # 1-2. Sample and score groups until the batch holds enough informative ones (one round
         # without dynamic sampling).
@@ -190,18 +212,19 @@ def main(args: RLArgs) -> dict:
         # Then the update: epochs x train batches x microbatches (the policy waits out the critic warm-up).
         start = time.perf_counter()
         train, learn = _Means(), step >= args.critic_warmup_steps or critic is None
-        if batch["traces"]:
+        if distributed.global_sum(len(batch["traces"])):  # every rank joins the update if any kept a group
             experience = build_experience(args, batch, policy, reference, critic, autocast)
             train.update(experience["metrics"])
             policy.train()
             groups = len(batch["traces"]) // args.group_size
-            groups_per_batch = max(1, groups * args.train_batch_size // args.rollout_batch_size)
             for epoch in range(args.epochs_per_rollout_batch):
-                # a fresh group order per epoch, so off-policy epochs do not repeat the same minibatches
+                # a fresh group order per epoch, so off-policy epochs do not repeat the same minibatches;
+                # rollout / train batch size optimizer steps per epoch (fewer groups kept: smaller steps)
                 order = torch.randperm(groups, generator=torch.Generator().manual_seed(derive_seed(args.seed, step, epoch)))
-                for first in range(0, groups, groups_per_batch):
-                    batch_traces = [g * args.group_size + k for g in order[first:first + groups_per_batch].tolist()
-                                    for k in range(args.group_size)]
+                for chunk in order.tensor_split(args.rollout_batch_size // args.train_batch_size):
+                    batch_traces = [g * args.group_size + k for g in chunk.tolist() for k in range(args.group_size)]
+                    if not distributed.global_sum(len(batch_traces)):
+                        continue  # no rank has a group for this step
                     with autocast:
                         ok = _optimizer_step(args, policy, optimizer, critic, critic_optimizer, experience,
                                              batch_traces, train, epoch, learn)
@@ -216,21 +239,21 @@ def main(args: RLArgs) -> dict:
         # 4. Log, write a few full rollouts, evaluate, checkpoint.
         metrics = {"step": step + 1, **batch["metrics"], **train.means(),
                    **{f"seconds_{k}": v for k, v in times.items()}}
-        _append_jsonl(run_dir / "metrics.jsonl", metrics)
+        append(run_dir / "metrics.jsonl", metrics)
         for record in batch["samples"][:args.log_rollouts]:
-            _append_jsonl(run_dir / "rollouts.jsonl", {"step": step + 1, **record})
+            append(run_dir / "rollouts.jsonl", {"step": step + 1, **record})
         logger.log(metrics, step + 1)
-        tqdm.write(_log_line(metrics, args.n_steps))
+        log(_log_line(metrics, args.n_steps))
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.n_steps):
             run_eval(step + 1)
         if (step + 1) % args.save_every == 0 or step + 1 == args.n_steps:
-            trainer_state = {"step": step + 1, "optimizer": optimizer.state_dict(), "bad_steps": bad_steps,
+            trainer_state = {"step": step + 1, "bad_steps": bad_steps,
                              "questions_drawn": drawn, "start_model": start_model,
                              "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
             if critic is not None:
                 trainer_state["critic_optimizer"] = critic_optimizer.state_dict()
             models.save_checkpoint(policy, tokenizer, run_dir / "checkpoint", config=to_dict(args),
-                                   extra={"trainer_state.pt": trainer_state},
+                                   extra={"trainer_state.pt": trainer_state}, optimizer=optimizer,
                                    submodels={"critic": critic} if critic is not None else None)
     bar.close()
     return {"run_dir": str(run_dir), "last_metrics": _read_jsonl(run_dir / "metrics.jsonl")[-1:]}
@@ -251,24 +274,41 @@ class _Means:
             self.add(key, value)
 
     def means(self) -> dict:
-        return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+        """The means over every rank's microbatches (a collective under torchrun)."""
+        sums, weights = {}, {}
+        for rank_sums, rank_weights in distributed.gather_objects((self.sums, self.weights)):
+            for key in rank_sums:
+                sums[key] = sums.get(key, 0.0) + rank_sums[key]
+                weights[key] = weights.get(key, 0.0) + rank_weights[key]
+        return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
 
 
 def _optimizer_step(args, policy, optimizer, critic, critic_optimizer, exp: dict, batch_traces: list[int],
                     train: _Means, epoch: int, learn: bool) -> bool:
     """Microbatches of one train batch, gradient clipping and the step (of the policy when `learn`, of the
-    critic when there is one). `exp` is build_experience's output. False if the step was skipped."""
+    critic when there is one). `exp` is build_experience's output. False if the step was skipped.
+
+    Under torchrun the batch's counts (rows, tokens, traces) that the loss divides by are global (see
+    distributed.per_rank_count), and every rank runs as many microbatches as the busiest one, the extra
+    ones on a masked dummy row, so the sharded policy's collectives line up."""
     in_batch = set(batch_traces)
     rows = [i for i, trace in enumerate(exp["row_trace"].tolist()) if trace in in_batch]  # flat row indices
     mask_all, row_trace = exp["mask"], exp["row_trace"]
     # Delethink's trace-length normaliser counts the tokens the loss sums over (forced tokens excluded)
-    trace_tokens = torch.zeros(int(row_trace.max()) + 1).index_add(0, row_trace, mask_all.sum(-1))
-    num_tokens = int(mask_all[rows].sum().item())
+    trace_tokens = torch.zeros(len(exp["raw_rewards"]) and int(row_trace.max()) + 1).index_add(0, row_trace, mask_all.sum(-1))
+    num_rows = distributed.per_rank_count(len(rows))
+    num_tokens = distributed.per_rank_count(mask_all[rows].sum().item())
+    num_traces = distributed.per_rank_count(len(batch_traces))
     device = next(policy.parameters()).device
+    sharded = distributed.launched()
     kl_coef = 0.0 if args.kl_in_reward else args.kl_coef  # in the reward it already shaped the advantages
     losses = []
-    for first in range(0, len(rows), args.train_mini_batch_size):
-        micro = rows[first:first + args.train_mini_batch_size]
+    calls = -(-len(rows) // args.train_mini_batch_size)
+    for call in range(distributed.even_out(calls) if sharded else calls):
+        micro = rows[call * args.train_mini_batch_size:(call + 1) * args.train_mini_batch_size]
+        if not micro:  # this rank is out of rows: a dummy forward and backward that changes nothing
+            (rollout_log_probs(policy, [[0]], [[0]], one_forward=True)["log_probs"].sum() * 0).backward()
+            continue
         prompts = [exp["rows"][i].prompt_ids for i in micro]
         responses = [exp["rows"][i].response_ids for i in micro]
         width = max(map(len, responses))
@@ -285,7 +325,7 @@ def _optimizer_step(args, policy, optimizer, critic, critic_optimizer, exp: dict
             (aggregate_loss(value_loss, mask, "token-mean", num_tokens=num_tokens) * args.value_loss_coef).backward()
             train.add("value_loss", (value_loss.detach() * mask).sum().item() / max(tokens, 1), tokens)
             train.add("value_clip_fraction", value_meta["clipped"].float().sum().item() / max(tokens, 1), tokens)
-        out = rollout_log_probs(policy, prompts, responses, return_token_entropy=True,
+        out = rollout_log_probs(policy, prompts, responses, return_token_entropy=True, one_forward=sharded,
                                 temperature=args.sampling_temperature, entropy_grad=bool(args.entropy_coef))
         log_probs = out["log_probs"]  # (B, T)
         old = take("old_log_probs")
@@ -294,12 +334,12 @@ def _optimizer_step(args, policy, optimizer, critic, critic_optimizer, exp: dict
         advantages = (advantages if advantages.shape[1] == 1 else advantages[:, :width]).to(device)
         if learn:
             loss, meta = grpo_microbatch_train_step(
-                log_probs, mask, len(rows) / len(micro), args.loss_type,
+                log_probs, mask, num_rows / len(micro), args.loss_type,
                 raw_rewards=exp["raw_rewards"][micro].unsqueeze(-1).to(device), advantages=advantages, old_log_probs=old,
                 cliprange=args.cliprange, loss_agg_mode=args.loss_agg_mode, cliprange_high=args.cliprange_high,
                 kl_coef=kl_coef, ref_log_probs=take("ref_log_probs"), kl_estimator=args.kl_estimator,
                 entropy_coef=args.entropy_coef, token_entropy=out["token_entropy"],
-                max_response_length=args.sampling_max_tokens, num_tokens=num_tokens, num_traces=len(batch_traces),
+                max_response_length=args.sampling_max_tokens, num_tokens=num_tokens, num_traces=num_traces,
                 trace_lengths=trace_tokens[row_trace[micro]].to(device))
             losses.append(loss.item())
             for key in ("clip_fraction", "kl"):
@@ -323,9 +363,10 @@ def _optimizer_step(args, policy, optimizer, critic, critic_optimizer, exp: dict
 
 
 def _clip_and_step(model, optimizer, max_grad_norm: float, train: _Means, name: str, losses=()) -> bool:
-    """Clip the gradient norm and step, or skip the step (and drop the gradient) when anything is non-finite."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
-    if not (math.isfinite(grad_norm) and all(math.isfinite(x) for x in losses)):
+    """Clip the gradient norm and step, or skip the step (and drop the gradient) when anything is non-finite
+    (on any rank: every rank makes the same choice)."""
+    grad_norm = distributed.grad_norm_and_clip(model, max_grad_norm)
+    if not distributed.global_min(math.isfinite(grad_norm) and all(math.isfinite(x) for x in losses)):
         tqdm.write(f"[train_rl] warning: non-finite loss or gradient ({name} {grad_norm}); step skipped")
         optimizer.zero_grad(set_to_none=True)
         return False

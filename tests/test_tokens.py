@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from alignment.tokens import compute_entropy, get_response_log_probs, tokenize_prompt_and_output
+from alignment.tokens import compute_entropy, get_response_log_probs, rollout_log_probs, tokenize_prompt_and_output
 
 
 def test_tokenize_prompt_and_output_exact_ids(tokenizer):
@@ -95,3 +95,12 @@ def test_rollout_log_probs_match_full_sequence_log_probs_and_gradients(tokenizer
     (slow["log_probs"] * mask).sum().backward()
     for (name, a), b in zip(fast_model.named_parameters(), slow_model.parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_one_forward_mode_gives_the_same_log_probs_and_entropy(tiny_model):
+    prompts = [[1, 2, 3], [1, 2, 3], [7, 8]]
+    responses = [[4, 5, 6, 9], [4, 11], [10]]
+    shared = rollout_log_probs(tiny_model, prompts, responses, return_token_entropy=True, temperature=0.7)
+    one = rollout_log_probs(tiny_model, prompts, responses, return_token_entropy=True, temperature=0.7, one_forward=True)
+    torch.testing.assert_close(one["log_probs"], shared["log_probs"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(one["token_entropy"], shared["token_entropy"], atol=1e-5, rtol=0)

@@ -1,0 +1,114 @@
+"""torchrun + FSDP2 on this CPU: 2 processes with the gloo backend against 1 process, and real runs that
+checkpoint and resume. Each run is a subprocess (tests/dist_worker.py) started by torchrun or plainly."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignment import models
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def run(settings: dict, processes: int, tmp_path: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
+    env.pop("WORLD_SIZE", None)
+    command = [sys.executable, str(WORKER), json.dumps(settings)]
+    if processes > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                   "--master_port", str(29500 + os.getpid() % 1000), *command[1:]]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done
+
+
+def rl_settings(model_dir, out, **overrides) -> dict:
+    args = dict(model=model_dir, n_steps=2, group_size=2, rollout_batch_size=8, train_batch_size=8,
+                train_mini_batch_size=2, sampling_max_tokens=6, eval_every=0, save_every=1, rg_size=40,
+                learning_rate=1e-4, output_dir=str(out), use_std_normalization=True)
+    return {"script": "rl", "args": {**args, **overrides}}
+
+
+def max_weight_difference(a: Path, b: Path) -> float:
+    one, two = models.load_model(str(a)), models.load_model(str(b))
+    return max((p - q).abs().max().item() for p, q in zip(one.parameters(), two.parameters()))
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def assert_same_training(tmp_path):
+    """The gradient norms (before clipping: they see any error in how the loss is normalised, which Adam's
+    update would hide) and the losses match, and the parameters after 2 AdamW steps agree to 1e-5. The
+    learning rate is small because Adam's first steps move a weight by about lr * sign(gradient): an
+    element whose gradient is at float round-off level (the two runs add partial sums in another order)
+    can move by a different fraction of lr, so the gap between runs scales with lr (2.8e-4 at lr 1e-2)."""
+    one, two = (read_jsonl(tmp_path / p / "metrics.jsonl") for p in ("p1", "p2"))
+    assert [m["step"] for m in two] == [1, 2]
+    for a, b in zip(one, two):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5) and b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+    assert max_weight_difference(tmp_path / "p1" / "checkpoint", tmp_path / "p2" / "checkpoint") <= 1e-5
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-mean", "token-mean"])
+def test_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path, loss_agg_mode):
+    for processes in (1, 2):
+        settings = rl_settings(tiny_model_dir, tmp_path / f"p{processes}", loss_agg_mode=loss_agg_mode)
+        run({**settings, "fixed_rollouts": True}, processes, tmp_path)
+    assert_same_training(tmp_path)
+    start = models.load_model(tiny_model_dir)
+    moved = models.load_model(str(tmp_path / "p2" / "checkpoint"))
+    assert max((p - q).abs().max().item() for p, q in zip(start.parameters(), moved.parameters())) > 1e-4
+
+
+def test_a_rank_with_nothing_to_train_joins_every_collective(tiny_model_dir, tmp_path):
+    """Dynamic sampling drops all of rank 1's groups: it must still match rank 0's forward/backward calls
+    (dummy microbatches), and the update equals one process's on the same kept groups."""
+    for processes in (1, 2):
+        settings = rl_settings(tiny_model_dir, tmp_path / f"p{processes}", filter_low=0.0, max_sampling_rounds=1)
+        run({**settings, "fixed_rollouts": True, "uneven": True}, processes, tmp_path, timeout=300)
+    metrics = read_jsonl(tmp_path / "p2" / "metrics.jsonl")
+    assert [m["kept_traces"] for m in metrics] == [4, 4]  # half the batch: rank 0's groups only
+    assert_same_training(tmp_path)
+
+
+def test_two_process_train_rl_checkpoints_and_resumes(tiny_model_dir, tmp_path):
+    settings = rl_settings(tiny_model_dir, tmp_path / "run")
+    run(settings, 2, tmp_path)
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]  # written once, by rank 0
+    assert (tmp_path / "run" / "checkpoint" / "optimizer").is_dir()
+    state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 2
+    settings["args"].update(n_steps=3, resume=str(tmp_path / "run"))
+    run(settings, 2, tmp_path)
+    assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    models.load_model(str(tmp_path / "run" / "checkpoint"))  # the HF export loads as any model folder
+
+
+def test_two_process_sft_checkpoints_and_resumes(tiny_model_dir, data_dir, tmp_path):
+    args = dict(model=tiny_model_dir, data_dir=str(data_dir), max_examples=8, batch_size=4, microbatch_size=2,
+                eval_every=0, eval_limit=2, eval_max_tokens=4, save_every=1, output_dir=str(tmp_path / "sft"))
+    run({"script": "sft", "args": args}, 2, tmp_path)  # 2 steps of 4 examples, 2 per rank
+    lines = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2]  # written once, by rank 0
+    assert (tmp_path / "sft" / "optimizer").is_dir()
+    run({"script": "sft", "args": {**args, "epochs": 2, "resume": True}}, 2, tmp_path)  # a second epoch
+    lines = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_role_flags_are_refused_under_torchrun(tiny_model_dir, tmp_path):
+    settings = rl_settings(tiny_model_dir, tmp_path / "run", sample_device="cpu")
+    env = {**os.environ, "PYTHONPATH": str(WORKER.parents[1])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(30500 + os.getpid() % 1000), "-m", "alignment.train_rl", "--model", tiny_model_dir,
+                           "--sample_device", "cpu", "--output_dir", str(tmp_path / "run")],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=WORKER.parents[1])
+    assert done.returncode != 0 and "error: --sample_device places a role on a device" in done.stderr
