@@ -124,7 +124,7 @@ class RLArgs(SamplerArgs, RolloutArgs):
     train_batch_size: int = arg(32, "responses per optimizer step; rollout_batch_size / this = optimizer steps per epoch")
     train_mini_batch_size: int = arg(8, "rows per forward/backward (microbatch); gradient accumulation = train_batch_size / this")
     epochs_per_rollout_batch: int = arg(1, "passes over each rollout batch (more than 1 is off-policy: needs grpo_clip)")
-    cliprange: float = arg(0.2, "GRPO-clip epsilon (lower side, and upper side unless --cliprange_high)")
+    cliprange: float = arg(0.2, "clip epsilon (lower side, and upper side unless --cliprange_high); GSPO clips a sequence ratio, which moves far less: its paper uses 3e-4 (and 4e-4 above)")
     cliprange_high: float | None = arg(None, "upper clip epsilon for clip-higher (DAPO uses 0.28)")
     use_std_normalization: bool = arg(False, "divide advantages by the group std (GRPO); off as Dr. GRPO recommends")
     advantage_eps: float = arg(1e-6, "added to the group std before dividing")
@@ -182,6 +182,18 @@ class RLArgs(SamplerArgs, RolloutArgs):
             raise ValueError(f"--kl_estimator {self.kl_estimator!r} is not one of k1, k2, k3.")
         if self.kl_in_reward and self.kl_coef <= 0:
             raise ValueError("--kl_in_reward needs --kl_coef > 0 (the weight of the penalty).")
+        if self.loss_type == "no_baseline" and (self.kl_in_reward or self.advantage_estimator != "grpo"):
+            raise ValueError("--loss_type no_baseline trains on the raw reward, so it would ignore --kl_in_reward and "
+                             "--advantage_estimator: use reinforce_with_baseline or grpo_clip with them.")
+        if self.kl_estimator == "k1" and self.kl_coef > 0 and not self.kl_in_reward:
+            raise ValueError("k1 as a loss term has a zero-mean gradient (it only adds noise): use --kl_estimator k2 "
+                             "or k3 in the loss, or k1 with --kl_in_reward.")
+        if self.kl_in_reward and self.use_std_normalization:
+            raise ValueError("--kl_in_reward with --use_std_normalization would divide tiny KL differences in "
+                             "all-right or all-wrong groups by their tiny std; drop one of them.")
+        if self.loss_type == "gspo" and self.loss_agg_mode != "seq-mean-token-mean":
+            raise ValueError("gspo's token form equals the sequence objective only under a per-row mean: use "
+                             "--loss_agg_mode seq-mean-token-mean.")
         if self.rollout_batch_size % self.group_size:
             raise ValueError(f"--rollout_batch_size {self.rollout_batch_size} must be a multiple of --group_size {self.group_size}.")
         if self.rollout_batch_size % self.train_batch_size:

@@ -100,7 +100,8 @@ def outcome_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) ->
 
 
 def compute_gspo_loss(advantages: torch.Tensor, policy_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
-                      response_mask: torch.Tensor, cliprange: float) -> tuple[torch.Tensor, dict]:
+                      response_mask: torch.Tensor, cliprange: float, *,
+                      cliprange_high: float | None = None) -> tuple[torch.Tensor, dict]:
     """GSPO (Zheng et al. 2025, arXiv 2507.18071, eqs. 5-7 and GSPO-token eq. 13): a sequence-level ratio
 
         s = exp(mean over the row's response tokens of (logp - old_logp)),   J = min(s A, clip(s, 1-eps, 1+eps) A)
@@ -108,7 +109,8 @@ def compute_gspo_loss(advantages: torch.Tensor, policy_log_probs: torch.Tensor, 
     Per token the ratio is s_t = sg[s] * exp(logp_t - sg[logp_t]): equal to s in value, with gradient
     sg[s] * grad logp_t. So the per-token loss -min(s_t A, clip(s_t) A) has a masked per-row mean equal to
     -J, and its gradient equals the gradient of -J (all tokens of a row clip together). A is (B,) or
-    (B, 1). metadata["clipped"] (B, T) marks the tokens of clipped rows."""
+    (B, 1). `cliprange_high` (default `cliprange`) is the upper side (the paper: 3e-4 below, 4e-4 above).
+    metadata["clipped"] (B, T) marks the tokens of clipped rows."""
     advantages = advantages.reshape(-1, 1)  # (B, 1)
     mask = response_mask.bool()
     delta = torch.where(mask, policy_log_probs - old_log_probs, torch.zeros_like(policy_log_probs))
@@ -117,7 +119,7 @@ def compute_gspo_loss(advantages: torch.Tensor, policy_log_probs: torch.Tensor, 
     token_log_probs = torch.where(mask, policy_log_probs, torch.zeros_like(policy_log_probs))
     ratio = sequence_ratio.detach() * torch.exp(token_log_probs - token_log_probs.detach())  # (B, T)
     unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - cliprange, 1 + cliprange) * advantages
+    clipped = ratio.clamp(1 - cliprange, 1 + (cliprange if cliprange_high is None else cliprange_high)) * advantages
     return -torch.minimum(unclipped, clipped), {"clipped": (clipped < unclipped) & mask}
 
 
@@ -134,7 +136,12 @@ def kl_penalty(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor, esti
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence",
     2020), with r = log pi_ref - log pi clamped to [-20, 20] before any exp:
     k1 = -r (unbiased, can be negative), k2 = r^2 / 2 (biased, low variance), k3 = exp(r) - r - 1
-    (unbiased, >= 0; DeepSeekMath eq. 4)."""
+    (unbiased, >= 0; DeepSeekMath eq. 4).
+
+    As values (a reward penalty, a logged number) all three estimate KL(pi || pi_ref). As loss terms
+    their gradients differ: k1's has expectation 0 (noise only; args refuse it there), k2's is the
+    gradient of KL(pi || pi_ref), and k3's is in expectation the gradient of KL(pi_ref || pi), the other
+    direction (DeepSeekMath's choice)."""
     log_ratio = (ref_log_probs - policy_log_probs).clamp(-20.0, 20.0)
     if estimator == "k1":
         return -log_ratio

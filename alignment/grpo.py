@@ -186,7 +186,8 @@ def compute_policy_gradient_loss(
         if advantages.dim() == 2 and advantages.shape[1] > 1:
             raise ValueError("gspo takes one advantage per sequence, not per token; use a sequence-level "
                              "estimator (grpo, rloo)")
-        return compute_gspo_loss(advantages, policy_log_probs, old_log_probs, response_mask, cliprange)
+        return compute_gspo_loss(advantages, policy_log_probs, old_log_probs, response_mask, cliprange,
+                                 cliprange_high=cliprange_high)
     raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
 
 

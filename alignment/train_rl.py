@@ -108,9 +108,10 @@ def main(args: RLArgs) -> dict:
     if device:
         distributed.refuse({"--sample_device": args.sample_device, "--reference_model_device": args.reference_model_device,
                             "--eval_device": args.eval_device, "--critic_device": args.critic_device})
-        if args.advantage_estimator == "gae" or args.backend == "vllm":
-            raise UserError("under torchrun this loop samples with HF on each rank and has no sharded critic yet: "
-                            "use --backend hf and an estimator other than gae, or run without torchrun.")
+        if args.advantage_estimator not in ("grpo", "rloo") or args.backend == "vllm":
+            raise UserError("under torchrun this loop samples with HF on each rank, whitens no token-level "
+                            "advantages across ranks and has no sharded critic: use --backend hf and "
+                            "--advantage_estimator grpo or rloo, or run without torchrun.")
     with distributed.main_first():  # rank 0 converts the packaged model and makes the run folder first
         run_dir, start_model, state = setup_run(args)
     run_dir = Path(distributed.gather_objects(str(run_dir))[0])  # a default name holds the time: rank 0's wins
@@ -346,7 +347,8 @@ def _optimizer_step(args, policy, optimizer, critic, critic_optimizer, exp: dict
                 if key in meta:
                     train.add(key, meta[key], tokens)
         train.add("entropy", (out["token_entropy"].detach() * mask).sum().item() / max(tokens, 1), tokens)
-        if epoch == 0:  # the old policy is the learner's view of the sampler: log how far they disagree
+        if epoch == 0 and args.sampling_top_p == 1:  # the old policy is the learner's view of the sampler;
+            # with top_p < 1 the sampler's log-probs are of the renormalised nucleus: not comparable
             rows_ = [exp["rows"][i] for i in micro]
             sampled = _pad([r.sampler_logprobs or [] for r in rows_], width, device, math.nan)
             seen = mask.bool() & ~sampled.isnan()

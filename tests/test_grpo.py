@@ -488,6 +488,13 @@ def test_gspo_by_hand_and_its_gradient_is_the_sequence_objectives():
     assert grad[1].abs().sum() == 0  # the clipped row gets no gradient
 
 
+def test_gspo_clip_higher():
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    old = logp.detach() - 0.1  # s = exp(0.1) = 1.105
+    loss, _ = compute_gspo_loss(torch.tensor([1.0]), logp, old, torch.ones(1, 2), 0.05, cliprange_high=0.08)
+    assert loss[0, 0].item() == pytest.approx(-1.08)  # clipped at 1 + 0.08, not 1 + 0.05
+
+
 def test_gspo_through_the_dispatch_and_the_train_step():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     loss, meta = grpo_microbatch_train_step(logp, torch.tensor([[1, 1]]), 1, "gspo", None, torch.tensor([[1.0]]),

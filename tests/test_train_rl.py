@@ -400,6 +400,10 @@ def test_estimator_flag_checks(capsys):
                             "trace-length"], "one row per trace"),
                           (["--loss_type", "gspo", "--advantage_estimator", "reinforce_pp"], "one advantage per trace"),
                           (["--kl_in_reward"], "--kl_coef > 0"),
+                          (["--loss_type", "no_baseline", "--advantage_estimator", "rloo"], "trains on the raw reward"),
+                          (["--kl_coef", "0.1", "--kl_estimator", "k1"], "zero-mean gradient"),
+                          (["--kl_coef", "0.1", "--kl_in_reward", "--use_std_normalization"], "tiny std"),
+                          (["--loss_type", "gspo", "--loss_agg_mode", "token-mean"], "per-row mean"),
                           (["--advantage_estimator", "ppo"], "is not one of grpo")]:
         with pytest.raises(SystemExit):
             parse(RLArgs, argv)

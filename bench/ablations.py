@@ -1,0 +1,134 @@
+"""The CS336 ablations on this CPU proxy: each RL variant at one fixed budget, several seeds, one table and
+one plot.
+
+    uv run python bench/ablations.py --quick          # 4 steps per run, about 1 hour on 2 cores
+    uv run python bench/ablations.py                  # 10 steps per run, about 4 hours
+    uv run python bench/ablations.py --only grpo_clip,no_baseline --seeds 0
+
+Every run is `python -m alignment.train_rl` from checkpoints/math_sft on the default task with the
+defaults, changed only by its variant's flags; the held-out answer rate is greedy, measured before the
+first step and every few steps. A run that is already complete is not repeated, one that was interrupted
+continues with --resume, so an interrupted sweep resumes where it stopped. Writes
+<out>/ablations.md (final accuracy mean and range over seeds, seconds per step) and <out>/ablations.png.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> flags; the first is the reference the others change one thing of
+VARIANTS = {
+    "grpo_clip": [],
+    "no_baseline": ["--loss_type", "no_baseline"],
+    "reinforce_with_baseline": ["--loss_type", "reinforce_with_baseline"],
+    "std_normalization": ["--use_std_normalization"],
+    "token-mean": ["--loss_agg_mode", "token-mean"],
+    "seq-mean-token-sum-norm": ["--loss_agg_mode", "seq-mean-token-sum-norm"],
+    "off-policy_2_epochs": ["--epochs_per_rollout_batch", "2", "--train_batch_size", "16"],
+    "rloo": ["--advantage_estimator", "rloo"],
+    "reinforce_pp": ["--advantage_estimator", "reinforce_pp"],
+    "reinforce_pp_baseline": ["--advantage_estimator", "reinforce_pp_baseline"],
+    "gae": ["--advantage_estimator", "gae", "--critic_learning_rate", "1e-4"],
+    "gspo": ["--loss_type", "gspo"],
+}
+BUDGETS = {  # (flags, description)
+    "full": (["--n_steps", "10", "--eval_every", "5", "--eval_limit", "50"], "10 steps, eval on 50 every 5"),
+    "quick": (["--n_steps", "4", "--eval_every", "2", "--eval_limit", "30", "--rollout_batch_size", "16",
+               "--train_batch_size", "16"], "4 steps of 16 responses, eval on 30 every 2"),
+}
+
+
+def run(name: str, flags: list[str], budget: list[str], seed: int, out: Path) -> Path:
+    run_dir = out / f"{name}-seed{seed}"
+    metrics = run_dir / "metrics.jsonl"
+    n_steps = int(budget[budget.index("--n_steps") + 1])
+    done = metrics.exists() and any(json.loads(line).get("step") == n_steps and "eval_count" in line
+                                    for line in open(metrics))
+    if done:
+        print(f"[ablations] {run_dir.name}: complete, kept", flush=True)
+        return run_dir
+    # the variant's flags come last, so they win over the budget's (the off-policy train batch)
+    command = [sys.executable, "-m", "alignment.train_rl", *budget, *flags, "--seed", str(seed),
+               "--output_dir", str(run_dir), "--save_every", "1"]
+    if (run_dir / "checkpoint" / "trainer_state.pt").exists():
+        command += ["--resume", str(run_dir)]
+        print(f"[ablations] {run_dir.name}: resuming", flush=True)
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        print(f"[ablations] {run_dir.name}: {' '.join(command[3:])}", flush=True)
+    with open(out / f"{run_dir.name}.log", "a") as log:
+        subprocess.run(command, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)  # the numbers are kept, the weights are not
+    return run_dir
+
+
+def summarise(name: str, run_dirs: list[Path]) -> dict:
+    curves, seconds, rewards = [], [], []
+    for run_dir in run_dirs:
+        records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+        curves.append([(r["step"], r["eval_avg_answer_rewards"]) for r in records if "eval_avg_answer_rewards" in r])
+        steps = [r for r in records if "seconds_sample" in r]
+        seconds.append(statistics.mean(sum(v for k, v in r.items() if k.startswith("seconds_")) for r in steps))
+        rewards.append(steps[-1]["reward"])
+    finals = [c[-1][1] for c in curves]
+    return {"name": name, "first": statistics.mean(c[0][1] for c in curves), "final": statistics.mean(finals),
+            "low": min(finals), "high": max(finals), "seconds": statistics.mean(seconds),
+            "reward": statistics.mean(rewards), "curves": curves}
+
+
+def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int]):
+    lines = [f"Budget: {budget_text}; seeds {', '.join(map(str, seeds))}; held-out greedy answer rate.", "",
+             "| variant | start | final (mean) | final (range) | final train reward | s/step |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['first']:.3f} | {r['final']:.3f} | {r['low']:.2f}-{r['high']:.2f} | "
+                     f"{r['reward']:.3f} | {r['seconds']:.1f} |")
+    (out / "ablations.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for r in rows:
+        steps = [s for s, _ in r["curves"][0]]
+        mean = [statistics.mean(c[i][1] for c in r["curves"]) for i in range(len(steps))]
+        ax.plot(steps, mean, marker="o", markersize=3, label=r["name"], linewidth=2.5 if r is rows[0] else 1.2)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("held-out answer rate (greedy, mean over seeds)")
+    ax.set_title(f"ablations: {budget_text}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "ablations.png", dpi=110)
+    print(f"[ablations] wrote {out / 'ablations.md'} and {out / 'ablations.png'}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the smaller budget (4 steps of 16 responses)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
+    parser.add_argument("--out", default=None, help="folder (default outputs/ablations[-quick])")
+    args = parser.parse_args()
+    names = args.only.split(",") if args.only else list(VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    if not (ROOT / "checkpoints" / "math_sft" / "config.json").exists():
+        parser.error("checkpoints/math_sft does not exist: run `uv run -m alignment.sft` first")
+    budget, budget_text = BUDGETS["quick" if args.quick else "full"]
+    out = Path(args.out or ROOT / "outputs" / ("ablations-quick" if args.quick else "ablations"))
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
+    rows = [summarise(name, [run(name, VARIANTS[name], budget, seed, out) for seed in args.seeds]) for name in names]
+    write_outputs(rows, out, budget_text, args.seeds)
+
+
+if __name__ == "__main__":
+    main()
