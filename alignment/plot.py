@@ -1,6 +1,7 @@
 """Draw the curves of a training run from its metrics.jsonl to a PNG.
 
     uv run -m alignment.plot checkpoints/rl/<run>        # writes <run>/curves.png
+    uv run -m alignment.plot checkpoints/rl/seed0 checkpoints/rl/seed1 --out seeds.png   # several runs, one plot
 
 Panels: reward (training rollouts and evaluation), format and answer rates, response length, entropy.
 """
@@ -20,29 +21,38 @@ PANELS = [
 ]
 
 
-def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def plot(run_dirs, out: str | Path | None = None) -> Path:
+    """Draw one run (a folder or a list of one) or several on the same axes (e.g. seeds of one recipe):
+    with several, each series is labelled with its run's folder name and the PNG goes to `out`
+    (default: curves.png in the first run's parent folder)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        raise MissingFileError(f"{path} does not exist; pass a run folder written by alignment.train_rl or alignment.sft.")
-    records = [json.loads(line) for line in open(path)]
+    run_dirs = [Path(run_dirs)] if isinstance(run_dirs, (str, Path)) else [Path(r) for r in run_dirs]
+    runs = []
+    for run_dir in run_dirs:
+        path = run_dir / "metrics.jsonl"
+        if not path.exists():
+            raise MissingFileError(f"{path} does not exist; pass a run folder written by alignment.train_rl or alignment.sft.")
+        runs.append((run_dir.name, [json.loads(line) for line in open(path)]))
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
     for ax, (title, series) in zip(axes, PANELS):
-        for key, label in series:
-            points = [(r["step"], r[key]) for r in records if key in r]
-            if points:
-                ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, markersize=3, label=label)
+        for run_index, (name, records) in enumerate(runs):
+            for key, label in series:
+                points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+                if points:
+                    label = label if len(runs) == 1 else f"{name}: {label}"
+                    ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, markersize=3, label=label,
+                            color=f"C{run_index}" if len(runs) > 1 else None,
+                            linestyle="-" if key.startswith("eval") or len(runs) == 1 else ":")
         ax.set_title(title)
         ax.set_xlabel("step")
         if ax.lines:
-            ax.legend(fontsize=7)
-    fig.suptitle(run_dir.name)
+            ax.legend(fontsize=6)
+    fig.suptitle(", ".join(name for name, _ in runs))
     fig.tight_layout()
-    out = Path(out or run_dir / "curves.png")
+    out = Path(out or (run_dirs[0] / "curves.png" if len(runs) == 1 else run_dirs[0].parent / "curves.png"))
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
@@ -51,10 +61,10 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m alignment.plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", help="a run folder with metrics.jsonl")
-    parser.add_argument("--out", default=None, help="PNG path (default <run_dir>/curves.png)")
+    parser.add_argument("run_dirs", nargs="+", help="one or more run folders with metrics.jsonl (several: one plot)")
+    parser.add_argument("--out", default=None, help="PNG path (default <run_dir>/curves.png; several runs: their parent)")
     args = parser.parse_args(argv)
-    cli(lambda a: print(f"[plot] wrote {plot(a.run_dir, a.out)}"), args)
+    cli(lambda a: print(f"[plot] wrote {plot(a.run_dirs, a.out)}"), args)
 
 
 if __name__ == "__main__":

@@ -57,9 +57,10 @@ def load_sft_examples(args: SFTArgs, tokenizer=None) -> list[dict]:
     else:
         template = data.load_prompt("r1_zero")
         examples = [gsm8k_sft_example(row, template) for row in data.load_gsm8k("train", args.data_dir)]
-    if args.max_response_tokens:
+    limit = args.max_response_tokens if args.max_response_tokens is not None else (0 if args.train_file else 100)
+    if limit:
         lengths = [len(ids) for ids in tokenizer([e["response"] for e in examples], add_special_tokens=False).input_ids]
-        examples = [e for e, n in zip(examples, lengths) if n <= args.max_response_tokens]
+        examples = [e for e, n in zip(examples, lengths) if n <= limit]
     return examples[:args.max_examples] if args.max_examples else examples
 
 

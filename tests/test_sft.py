@@ -41,6 +41,17 @@ def test_train_file_of_prompt_response_pairs(tmp_path):
         sft.load_sft_examples(SFTArgs(train_file=str(tmp_path / "nope.jsonl")))
 
 
+def test_gsm8k_traces_are_kept_short_by_default_and_a_train_file_is_not_cut(tokenizer, data_dir, tmp_path):
+    short = sft.load_sft_examples(SFTArgs(data_dir=str(data_dir), max_examples=0), tokenizer)
+    every = sft.load_sft_examples(SFTArgs(data_dir=str(data_dir), max_examples=0, max_response_tokens=0), tokenizer)
+    lengths = [len(tokenizer(e["response"], add_special_tokens=False).input_ids) for e in short]
+    assert max(lengths) <= 100 and 0.4 * len(every) < len(short) < 0.8 * len(every)
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "response": "word " * 300}) + "\n")
+    assert len(sft.load_sft_examples(SFTArgs(train_file=str(path)), tokenizer)) == 1
+    assert sft.load_sft_examples(SFTArgs(train_file=str(path), max_response_tokens=50), tokenizer) == []
+
+
 def test_batches_cover_each_epoch_once_in_a_new_order():
     epoch0 = [sft.batch_indices(s, 10, 3, seed=0) for s in range(3)]
     epoch1 = [sft.batch_indices(s, 10, 3, seed=0) for s in range(3, 6)]

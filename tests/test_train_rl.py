@@ -165,6 +165,8 @@ def test_plot_draws_the_run(tiny_model_dir, tmp_path, parity):
     assert out.exists() and out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(FileNotFoundError, match="metrics.jsonl does not exist"):
         plot.plot(tmp_path / "nothing")
+    both = plot.plot([tmp_path / "run", tmp_path / "run"], tmp_path / "both.png")
+    assert both.stat().st_size > 10_000
 
 
 def test_delethink_mode_trains_on_chunk_rows(tiny_model_dir, tmp_path, parity):
