@@ -45,7 +45,7 @@ def plot(run_dirs, out: str | Path | None = None) -> Path:
                     label = label if len(runs) == 1 else f"{name}: {label}"
                     ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, markersize=3, label=label,
                             color=f"C{run_index}" if len(runs) > 1 else None,
-                            linestyle="-" if key.startswith("eval") or len(runs) == 1 else ":")
+                            linestyle=_style(key, len(runs)))
         ax.set_title(title)
         ax.set_xlabel("step")
         if ax.lines:
@@ -56,6 +56,13 @@ def plot(run_dirs, out: str | Path | None = None) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _style(key: str, n_runs: int) -> str:
+    """One run: solid lines. Several (one colour each): eval solid, eval format dashed, training dotted."""
+    if n_runs == 1:
+        return "-"
+    return ":" if not key.startswith("eval") else "--" if "format" in key else "-"
 
 
 def main(argv=None):

@@ -391,7 +391,7 @@ def _log_line(m: dict, n_steps: int) -> str:
             f"ans {m['answer_reward']:.2f} | len {m['response_tokens']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
             f"clip {m.get('clip_fraction', 0):.3f} | ent {m.get('entropy', float('nan')):.2f} | "
             f"gnorm {m.get('grad_norm', float('nan')):.2f} | kl {m.get('kl', 0):.4f} | "
-            f"mismatch {m.get('sampler_logprob_diff', float('nan')):.4f} | {seconds}")
+            f"mismatch {m.get('sampler_logprob_diff', float('nan')):.1e} | {seconds}")
 
 
 def _append_jsonl(path: Path, record: dict):
