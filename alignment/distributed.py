@@ -125,6 +125,14 @@ def full_state_items(model):
         yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+class GatherOnly:
+    """The sampler of a rank that does not evaluate: it joins every weight gather and keeps nothing."""
+
+    def load_weights(self, items):
+        for _ in items:
+            pass
+
+
 def grad_norm_and_clip(model, max_norm: float) -> float:
     """torch's clip_grad_norm_, returning the global norm as a float also for sharded (DTensor) gradients."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

@@ -11,6 +11,22 @@ import einx
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+LOG_RATIO_LIMIT = 20.0  # exp(20) = 4.9e8: a ratio past this is a bug or a masked slot, never a signal
+
+
+def clamped_log_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """log(p / q), clamped before any exp: an inf at a masked position (a forced token the policy
+    gives probability 0) must not overflow to inf, whose gradient through torch.where is NaN."""
+    return (numerator - denominator).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the unmasked entries (population variance); 0 where masked."""
+    kept = mask.bool()
+    if not kept.any():
+        return torch.zeros_like(values)
+    mean, var = values[kept].mean(), values[kept].var(correction=0)
+    return torch.where(kept, (values - mean) / torch.sqrt(var + 1e-8), torch.zeros_like(values))
 
 
 def _scan_unmasked_backwards(step, response_mask: torch.Tensor, carry: list[torch.Tensor]) -> torch.Tensor:
@@ -81,11 +97,7 @@ def compute_reinforce_pp_advantages(token_rewards: torch.Tensor, response_mask: 
         ret = token_rewards[:, t] + gamma * carry[0]
         return ret, [ret]
     returns = _scan_unmasked_backwards(step, response_mask, [zeros])
-    kept = response_mask.bool()
-    mean = returns[kept].mean()
-    var = ((returns[kept] - mean) ** 2).mean()
-    whitened = (returns - mean) / torch.sqrt(var + 1e-8)
-    return torch.where(kept, whitened, torch.zeros_like(whitened))
+    return whiten(returns, response_mask)
 
 
 def outcome_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -115,7 +127,7 @@ def compute_gspo_loss(advantages: torch.Tensor, policy_log_probs: torch.Tensor, 
     mask = response_mask.bool()
     delta = torch.where(mask, policy_log_probs - old_log_probs, torch.zeros_like(policy_log_probs))
     mean_log_ratio = delta.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
-    sequence_ratio = torch.exp(mean_log_ratio.clamp(-20.0, 20.0))
+    sequence_ratio = torch.exp(mean_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     token_log_probs = torch.where(mask, policy_log_probs, torch.zeros_like(policy_log_probs))
     ratio = sequence_ratio.detach() * torch.exp(token_log_probs - token_log_probs.detach())  # (B, T)
     unclipped = ratio * advantages
@@ -142,7 +154,7 @@ def kl_penalty(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor, esti
     their gradients differ: k1's has expectation 0 (noise only; args refuse it there), k2's is the
     gradient of KL(pi || pi_ref), and k3's is in expectation the gradient of KL(pi_ref || pi), the other
     direction (DeepSeekMath's choice)."""
-    log_ratio = (ref_log_probs - policy_log_probs).clamp(-20.0, 20.0)
+    log_ratio = clamped_log_ratio(ref_log_probs, policy_log_probs)
     if estimator == "k1":
         return -log_ratio
     elif estimator == "k2":

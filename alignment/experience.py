@@ -23,15 +23,12 @@ import torch
 
 from alignment import distributed, tir
 from alignment.estimators import (compute_gae_advantages, compute_reinforce_pp_advantages, compute_rloo_advantages,
-                                  explained_variance, kl_penalty, outcome_token_rewards, subtract_group_mean)
+                                  explained_variance, kl_penalty, outcome_token_rewards, subtract_group_mean, whiten)
 from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts
 from alignment.grpo import compute_group_normalized_rewards, filter_groups
 from alignment.rollout import traces
 from alignment.sampling import SamplingParams, derive_seed
 from alignment.tokens import rollout_log_probs, rollout_values
-
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
-TOKEN_LEVEL = ("reinforce_pp", "reinforce_pp_baseline", "gae")  # need one row per trace
 
 
 def questions_at(rows: list[dict], position: int, count: int, seed: int) -> list[dict]:
@@ -74,7 +71,8 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
         drawn += questions
         prompt_texts, prompt_ids = build_prompts(tokenizer, batch, args.prompt, args.chat_template)
         params = SamplingParams(n=args.group_size, temperature=args.sampling_temperature, top_p=args.sampling_top_p,
-                                max_tokens=args.sampling_max_tokens, stop=stop, logprobs=True,
+                                max_tokens=args.sampling_max_tokens, min_tokens=args.sampling_min_tokens, stop=stop,
+                                logprobs=True,
                                 seed=derive_seed(args.seed, step, sampling_round, *(("rank", rank) if rank else ())))
         round_traces = traces(ROLLOUT_MODES[args.rollout_mode](sampler, tokenizer, prompt_ids, params, args))
         seconds["sample"] += time.perf_counter() - start
@@ -181,15 +179,6 @@ def compute_advantages(args, rewards: torch.Tensor, mask: torch.Tensor, row_trac
         else:
             advantages = compute_reinforce_pp_advantages(token_rewards, mask, args.gamma)
     return advantages, returns
-
-
-def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over the unmasked entries (population variance); 0 where masked."""
-    kept = mask.bool()
-    if kept.sum() < 2:
-        return torch.where(kept, values, 0.0)
-    mean, var = values[kept].mean(), values[kept].var(correction=0)
-    return torch.where(kept, (values - mean) / torch.sqrt(var + 1e-8), 0.0)
 
 
 @torch.no_grad()

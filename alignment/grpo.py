@@ -14,7 +14,7 @@ from collections.abc import Callable
 import einx
 import torch
 
-from alignment.estimators import compute_gspo_loss, kl_penalty
+from alignment.estimators import clamped_log_ratio, compute_gspo_loss, kl_penalty
 
 LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo")
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "trace-length")
@@ -146,7 +146,7 @@ def compute_grpo_clip_loss(advantages: torch.Tensor, policy_log_probs: torch.Ten
     """
     high = cliprange if cliprange_high is None else cliprange_high
     advantages = _per_row(advantages)  # (B, 1) or (B, T)
-    ratio = torch.exp(_clamped_log_ratio(policy_log_probs, old_log_probs))  # (B, T)
+    ratio = torch.exp(clamped_log_ratio(policy_log_probs, old_log_probs))  # (B, T)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - cliprange, 1 + high) * advantages
     return -torch.minimum(unclipped, clipped), {"clipped": clipped < unclipped}
@@ -195,15 +195,6 @@ def _require(loss_type: str, **arguments) -> None:
     missing = [name for name, value in arguments.items() if value is None]
     if missing:
         raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
-
-
-LOG_RATIO_LIMIT = 20.0  # exp(20) = 4.9e8: a ratio past this is a bug or a masked slot, never a signal
-
-
-def _clamped_log_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """log(p / q), clamped before any exp: an inf at a masked position (a forced token the policy
-    gives probability 0) must not overflow to inf, whose gradient through torch.where is NaN."""
-    return (numerator - denominator).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
 
 
 def approx_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:

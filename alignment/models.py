@@ -156,10 +156,6 @@ def load_critic(name: str, device: str = "cpu", dtype: torch.dtype | None = None
     return model.to(device)
 
 
-def load_policy(name: str, device: str = "cpu", dtype: torch.dtype | None = None):
-    return load_model(name, device, dtype), load_tokenizer(name)
-
-
 def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None = None, extra: dict | None = None,
                     submodels: dict | None = None, optimizer=None):
     """Write weights + tokenizer + resolved config atomically: a crash mid-save leaves the old copy.
@@ -178,9 +174,12 @@ def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None =
         tmp.mkdir(parents=True)
     distributed.barrier()
     full_state = None
-    if distributed.launched():  # gathering is collective: every rank takes part, rank 0 keeps the result
-        full_state = {name: tensor.cpu() for name, tensor in distributed.full_state_items(model)}
-        full_state = full_state if main else None
+    if distributed.launched():  # gathering is collective: every rank takes part, only rank 0 keeps the tensors
+        items = distributed.full_state_items(model)
+        if main:
+            full_state = {name: tensor.cpu() for name, tensor in items}
+        else:
+            distributed.GatherOnly().load_weights(items)
     if optimizer is not None:
         distributed.save_optimizer(tmp / "optimizer", model, optimizer)
     if main:
@@ -199,6 +198,16 @@ def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None =
         os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
     distributed.barrier()
+    return out_dir
+
+
+def finish_interrupted_save(out_dir: str | Path) -> Path:
+    """Complete a save_checkpoint that a crash cut off between its two renames (`out_dir` moved aside to
+    .old, the finished .tmp not yet in place): put the finished copy where resume looks for it."""
+    out_dir = Path(out_dir)
+    tmp, old = (out_dir.with_name(out_dir.name + suffix) for suffix in (".tmp", ".old"))
+    if not out_dir.exists() and old.exists():
+        os.replace(tmp if tmp.exists() else old, out_dir)  # .tmp was complete before .old was made
     return out_dir
 
 

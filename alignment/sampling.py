@@ -242,8 +242,8 @@ class VLLMSampler:
                  dtype: str | None = None, enforce_eager: bool = False, progress: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         on_gpu = torch.device(device).type == "cuda"
-        if not on_gpu and kv_cache_gib is not None:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # read when the engine starts
+        if not on_gpu:  # read when the engine starts; unset, vLLM 0.32 takes most of the free memory
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib or os.environ.get("VLLM_CPU_KVCACHE_SPACE", 4))
         self.progress = progress
         from vllm import LLM
         if on_gpu:  # the engine takes the current GPU: make it the sampler's

@@ -123,13 +123,18 @@ def main(args: SFTArgs) -> dict:
     if args.batch_size % (world * args.microbatch_size):
         raise UserError(f"--batch_size {args.batch_size} must split into {world} process(es) x microbatches of "
                         f"{args.microbatch_size}; change --batch_size or --microbatch_size.")
+    if device and args.backend == "vllm":
+        raise UserError("under torchrun SFT evaluates with HF on rank 0: use --backend hf (or auto), or run "
+                        "without torchrun.")
     say = print if distributed.is_main() else (lambda *a: None)
     out_dir = Path(args.output_dir)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
     # Data: every step's batch is a function of (seed, step); see batch_indices.
-    if args.resume and not (out_dir / STATE_FILE).exists():
+    with distributed.main_first():  # rank 0 completes a save that a crash cut off, then every rank looks
+        resumable = args.resume and (models.finish_interrupted_save(out_dir) / STATE_FILE).exists()
+    if args.resume and not resumable:
         raise MissingFileError(f"--resume found no {STATE_FILE} in {out_dir}; run without --resume first "
                                f"or point --output_dir at a folder this script saved.")
     source = str(out_dir) if args.resume else args.model
@@ -155,11 +160,15 @@ def main(args: SFTArgs) -> dict:
         distributed.shard(model, device)
     model.train()
 
-    # Evaluation samples with the policy itself, or with its own copy (vLLM, or HF beside a sharded policy).
-    backend = pick_backend(args.backend, input_device)
-    eval_model = models.load_model(source, input_device) if device and backend == "hf" else model
-    sampler = make_sampler(backend, eval_model, tokenizer, models.resolve_model(source), input_device,
-                           batch_size=args.eval_batch_size, seed=args.seed, **args.vllm_options())
+    # Evaluation samples with the policy itself, or with its own copy (vLLM, or HF beside a sharded policy
+    # on rank 0; the other ranks only join the weight gathers).
+    backend = "hf" if device else pick_backend(args.backend, input_device)
+    if device and not distributed.is_main():
+        sampler = distributed.GatherOnly()
+    else:
+        eval_model = models.load_model(source, input_device) if device else model
+        sampler = make_sampler(backend, eval_model, tokenizer, models.resolve_model(source), input_device,
+                               batch_size=args.eval_batch_size, seed=args.seed, **args.vllm_options())
     push = WeightPush(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps))

@@ -18,6 +18,7 @@ on-policy (one epoch, one optimizer step per rollout batch) the old log-probs ar
 detached instead of a second forward pass.
 """
 
+import dataclasses
 import json
 import math
 import random
@@ -81,7 +82,7 @@ def setup_run(args: RLArgs) -> tuple[Path, str, dict | None]:
     from the run's checkpoint; the starting model stays the KL reference)."""
     if args.resume:
         run_dir = Path(args.resume)
-        checkpoint = run_dir / "checkpoint"
+        checkpoint = models.finish_interrupted_save(run_dir / "checkpoint")
         if not (checkpoint / "trainer_state.pt").exists():
             raise MissingFileError(f"{checkpoint} has no trainer_state.pt; --resume takes a run folder written by "
                                    f"alignment.train_rl that saved at least one checkpoint (see --save_every).")
@@ -96,7 +97,8 @@ def setup_run(args: RLArgs) -> tuple[Path, str, dict | None]:
     model = args.model
     if model is None:
         model = "checkpoints/math_sft" if (models.CHECKPOINTS / "math_sft" / "config.json").exists() else "smollm2-135m"
-        print(f"[train_rl] --model not given: starting from {model}")
+        if distributed.is_main():
+            print(f"[train_rl] --model not given: starting from {model}")
     models.resolve_model(model)  # a missing model fails here, before the run folder exists
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir, model, None
@@ -112,14 +114,20 @@ def main(args: RLArgs) -> dict:
             raise UserError("under torchrun this loop samples with HF on each rank, whitens no token-level "
                             "advantages across ranks and has no sharded critic: use --backend hf and "
                             "--advantage_estimator grpo or rloo, or run without torchrun.")
-    with distributed.main_first():  # rank 0 converts the packaged model and makes the run folder first
-        run_dir, start_model, state = setup_run(args)
-    run_dir = Path(distributed.gather_objects(str(run_dir))[0])  # a default name holds the time: rank 0's wins
+        questions, world = args.rollout_batch_size // args.group_size, distributed.world_size()
+        if questions % world:
+            raise UserError(f"under torchrun a step's {questions} questions are split over {world} ranks in whole "
+                            f"groups: make --rollout_batch_size / --group_size a multiple of {world}.")
+    # Rank 0 converts the packaged model and names the run folder (a default name holds the time); the
+    # other ranks then use that folder.
+    setup = setup_run(args) if distributed.is_main() else None
+    folder = distributed.gather_objects(setup and str(setup[0]))[0]
+    run_dir, start_model, state = setup or setup_run(dataclasses.replace(args, output_dir=folder))
     weights_from = str(run_dir / "checkpoint") if state else start_model
     roles = (dict(policy=[device], sample=device, reference=device, eval=device, critic=device) if device else
              models.assign_device_roles(models.available_devices(), args.sample_device, args.reference_model_device,
                                         args.eval_device, args.critic_device))
-    backend = pick_backend(args.backend, roles["sample"])
+    backend = "hf" if device else pick_backend(args.backend, roles["sample"])  # torchrun: HF on every rank
     log = tqdm.write if distributed.is_main() else (lambda *a: None)
     log(f"[train_rl] {args.loss_type} on {args.dataset} from {weights_from}; devices {roles}; sampler {backend}; "
         f"{distributed.world_size()} process(es); run folder {run_dir}")
@@ -229,7 +237,8 @@ def main(args: RLArgs) -> dict:
                     with autocast:
                         ok = _optimizer_step(args, policy, optimizer, critic, critic_optimizer, experience,
                                              batch_traces, train, epoch, learn)
-                    push.policy_changed()
+                    if learn and ok:
+                        push.policy_changed()
                     bad_steps = 0 if ok else bad_steps + 1
                     if bad_steps >= MAX_BAD_STEPS:
                         raise RuntimeError(f"{bad_steps} optimizer steps in a row had a non-finite loss or gradient; "
@@ -326,8 +335,9 @@ def _optimizer_step(args, policy, optimizer, critic, critic_optimizer, exp: dict
             (aggregate_loss(value_loss, mask, "token-mean", num_tokens=num_tokens) * args.value_loss_coef).backward()
             train.add("value_loss", (value_loss.detach() * mask).sum().item() / max(tokens, 1), tokens)
             train.add("value_clip_fraction", value_meta["clipped"].float().sum().item() / max(tokens, 1), tokens)
-        out = rollout_log_probs(policy, prompts, responses, return_token_entropy=True, one_forward=sharded,
-                                temperature=args.sampling_temperature, entropy_grad=bool(args.entropy_coef))
+        with torch.set_grad_enabled(learn):  # during the critic warm-up the policy's forward only logs
+            out = rollout_log_probs(policy, prompts, responses, return_token_entropy=True, one_forward=sharded,
+                                    temperature=args.sampling_temperature, entropy_grad=bool(args.entropy_coef))
         log_probs = out["log_probs"]  # (B, T)
         old = take("old_log_probs")
         old = log_probs.detach() if old is None else old  # on-policy: the ratio is 1, only its gradient matters

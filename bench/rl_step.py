@@ -24,7 +24,6 @@ that load from other jobs on the machine hits both sides alike.
 """
 
 import argparse
-import functools
 import importlib.metadata
 import json
 import os
@@ -40,7 +39,6 @@ import torch
 from alignment import data, models, train_rl
 from alignment.args import RLArgs
 from alignment.evaluate import build_prompts
-from alignment.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 TRL_VERSION = "1.16.0"
@@ -71,22 +69,19 @@ def run_ours(args, question_dir: Path, round_index: int) -> list[dict]:
                      sampling_temperature=1.0, sampling_top_p=1.0, sampling_max_tokens=args.max_tokens,
                      learning_rate=1e-5, n_steps=args.steps, eval_every=0, save_every=10**9, log_rollouts=0,
                      seed=args.seed + round_index, output_dir=str(run_dir), sample_device="cpu",
-                     reference_model_device="cpu", eval_device="cpu", backend=args.backend, kv_cache_gib=2)
+                     reference_model_device="cpu", eval_device="cpu", backend=args.backend, kv_cache_gib=2,
+                     sampling_min_tokens=0 if args.natural_length else args.max_tokens)
     rl_args.check()
-    # main() builds SamplingParams itself; forcing the length is the benchmark's choice, not the loop's.
-    original = train_rl.SamplingParams
-    if not args.natural_length:
-        train_rl.SamplingParams = functools.partial(SamplingParams, min_tokens=args.max_tokens)
-    try:
-        train_rl.main(rl_args)
-    finally:
-        train_rl.SamplingParams = original
+    train_rl.main(rl_args)
     steps = []
     for m in train_rl._read_jsonl(run_dir / "metrics.jsonl"):
         seconds = {k[len("seconds_"):]: v for k, v in m.items() if k.startswith("seconds_")}
         steps.append({"total": sum(seconds.values()), "generate": seconds["sample"], "score": seconds["score"],
                       "train": seconds["train"] + seconds["sync"], "tokens": m["response_tokens"] * args.group_size})
     shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)  # main() saves at its last step
+    if not args.natural_length and any(abs(s["tokens"] - args.group_size * args.max_tokens) > 0.5 for s in steps):
+        raise RuntimeError(f"our side did not generate exactly {args.max_tokens} tokens per completion: "
+                           f"{[s['tokens'] for s in steps]} tokens per step")
     return steps
 
 

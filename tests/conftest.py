@@ -12,6 +12,7 @@ from alignment import models
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("ALIGNMENT_DATA_DIR", REPO_ROOT.parent / "shared" / "data")).resolve()
+os.environ.setdefault("ALIGNMENT_DATA_DIR", str(DATA_DIR))  # the scripts under test read the same folder
 
 
 @pytest.fixture(scope="session")

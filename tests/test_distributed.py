@@ -104,11 +104,14 @@ def test_two_process_sft_checkpoints_and_resumes(tiny_model_dir, data_dir, tmp_p
     assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4]
 
 
-def test_role_flags_are_refused_under_torchrun(tiny_model_dir, tmp_path):
-    settings = rl_settings(tiny_model_dir, tmp_path / "run", sample_device="cpu")
+@pytest.mark.parametrize("flags,message", [
+    (["--sample_device", "cpu"], "error: --sample_device places a role on a device"),
+    (["--rollout_batch_size", "12", "--train_batch_size", "12"], "error: under torchrun a step's 3 questions are split over 2 ranks"),
+])
+def test_flags_that_cannot_work_are_refused_under_torchrun(tiny_model_dir, tmp_path, flags, message):
     env = {**os.environ, "PYTHONPATH": str(WORKER.parents[1])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(30500 + os.getpid() % 1000), "-m", "alignment.train_rl", "--model", tiny_model_dir,
-                           "--sample_device", "cpu", "--output_dir", str(tmp_path / "run")],
+                           *flags, "--output_dir", str(tmp_path / "run")],
                           env=env, capture_output=True, text=True, timeout=300, cwd=WORKER.parents[1])
-    assert done.returncode != 0 and "error: --sample_device places a role on a device" in done.stderr
+    assert done.returncode != 0 and message in done.stderr

@@ -25,3 +25,13 @@ def test_missing_local_model_is_a_clear_error(tmp_path):
     import pytest
     with pytest.raises(FileNotFoundError, match="does not exist"):
         models.resolve_model("checkpoints/nope")
+
+
+def test_a_save_cut_off_between_its_renames_is_completed(tmp_path):
+    out = tmp_path / "checkpoint"
+    (tmp_path / "checkpoint.old").mkdir()
+    (tmp_path / "checkpoint.old" / "step").write_text("1")
+    (tmp_path / "checkpoint.tmp").mkdir()
+    (tmp_path / "checkpoint.tmp" / "step").write_text("2")
+    assert (models.finish_interrupted_save(out) / "step").read_text() == "2"  # the finished new copy
+    assert models.finish_interrupted_save(out) == out and (out / "step").read_text() == "2"  # then a no-op

@@ -317,6 +317,21 @@ def test_off_policy_epochs_shuffle_the_minibatches(tiny_model_dir, tmp_path, par
     assert first != second
 
 
+def test_sampling_min_tokens_reaches_the_rollout_sampler(tiny_model_dir, tmp_path, parity, monkeypatch):
+    seen = []
+    standard = experience.ROLLOUT_MODES["standard"]
+
+    def recording(sampler, tokenizer, prompt_ids, params, args):
+        seen.append((params.min_tokens, params.max_tokens))
+        return standard(sampler, tokenizer, prompt_ids, params, args)
+
+    monkeypatch.setitem(experience.ROLLOUT_MODES, "standard", recording)
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, sampling_min_tokens=5))
+    assert seen == [(5, 6)]
+    with pytest.raises(ValueError, match="--sampling_min_tokens 7 must be between 0 and --sampling_max_tokens"):
+        tiny_args(tiny_model_dir, tmp_path / "bad", sampling_min_tokens=7)
+
+
 def test_weights_are_pushed_once_per_policy_version():
     loads = []
     sampler = type("Sampler", (), {"load_weights": lambda self, state: loads.append(1)})()
