@@ -106,7 +106,8 @@ def test_two_process_sft_checkpoints_and_resumes(tiny_model_dir, data_dir, tmp_p
 
 @pytest.mark.parametrize("flags,message", [
     (["--sample_device", "cpu"], "error: --sample_device places a role on a device"),
-    (["--rollout_batch_size", "12", "--train_batch_size", "12"], "error: under torchrun a step's 3 questions are split over 2 ranks"),
+    (["--rollout_batch_size", "12", "--train_batch_size", "12", "--train_mini_batch_size", "4"],
+     "error: under torchrun a step's 3 questions are split over 2 ranks"),
 ])
 def test_flags_that_cannot_work_are_refused_under_torchrun(tiny_model_dir, tmp_path, flags, message):
     env = {**os.environ, "PYTHONPATH": str(WORKER.parents[1])}
