@@ -130,7 +130,7 @@ def load_dataset(name: str, split: str = "test", data_dir: str | None = None, si
                  seed: int = 0) -> list[dict]:
     """Rows for `name`: gsm8k, a MATH-style set, or `rg:<task>` (reasoning-gym; `size` problems
     generated from the seed; reasoning-gym seeds item i with seed + i, so the test split starts a
-    million seeds away to keep the splits disjoint)."""
+    million seeds away: disjoint seeds, though a task with few distinct problems repeats questions)."""
     if name.startswith("rg:"):
         return load_reasoning_gym(name[3:], size, seed + (1_000_003 if split == "test" else 0))
     if name == "gsm8k":

@@ -140,6 +140,11 @@ def main(args: RLArgs) -> dict:
     train_rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
     eval_name = args.eval_dataset or args.dataset
     eval_rows = data.load_dataset(eval_name, "test", args.data_dir, size=args.eval_limit, seed=args.seed)[:args.eval_limit]
+    trained = {row["question"] for row in train_rows}
+    repeats = sum(row["question"] in trained for row in eval_rows)
+    if repeats:  # e.g. a procedural task with few distinct problems: disjoint seeds, the same questions
+        log(f"[train_rl] note: {repeats} of {len(eval_rows)} evaluation questions also occur in the training "
+            f"questions, so evaluation measures what was trained on more than transfer to new problems.")
 
     # Models: the policy (trained, fp32 master weights; FSDP2-sharded under torchrun), the sampler (shares
     # the policy's weights when it can, else its own copy), the frozen reference for the KL penalty (the

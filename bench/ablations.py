@@ -6,8 +6,8 @@ one plot.
     uv run python bench/ablations.py --only grpo_clip,no_baseline --seeds 0
 
 Every run is `python -m alignment.train_rl` from checkpoints/math_sft on the default task with the
-defaults, changed only by its variant's flags; the held-out answer rate is greedy, measured before the
-first step and every few steps. A run that is already complete is not repeated, one that was interrupted
+defaults, changed only by its variant's flags; the answer rate on the task's test split (whose questions
+also occur in training: the task is small) is greedy, measured before the first step and every few steps. A run that is already complete is not repeated, one that was interrupted
 continues with --resume, so an interrupted sweep resumes where it stopped. Writes
 <out>/ablations.md (final accuracy mean and range over seeds, seconds per step) and <out>/ablations.png.
 """
@@ -84,7 +84,8 @@ def summarise(name: str, run_dirs: list[Path]) -> dict:
 
 
 def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int]):
-    lines = [f"Budget: {budget_text}; seeds {', '.join(map(str, seeds))}; held-out greedy answer rate.", "",
+    lines = [f"Budget: {budget_text}; seeds {', '.join(map(str, seeds))}; greedy answer rate on the task's test "
+             f"split (its questions also occur in training).", "",
              "| variant | start | final (mean) | final (range) | final train reward | s/step |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -101,7 +102,7 @@ def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int
         mean = [statistics.mean(c[i][1] for c in r["curves"]) for i in range(len(steps))]
         ax.plot(steps, mean, marker="o", markersize=3, label=r["name"], linewidth=2.5 if r is rows[0] else 1.2)
     ax.set_xlabel("RL step")
-    ax.set_ylabel("held-out answer rate (greedy, mean over seeds)")
+    ax.set_ylabel("test-split answer rate (greedy, mean over seeds)")
     ax.set_title(f"ablations: {budget_text}")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

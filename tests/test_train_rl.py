@@ -332,6 +332,12 @@ def test_sampling_min_tokens_reaches_the_rollout_sampler(tiny_model_dir, tmp_pat
         tiny_args(tiny_model_dir, tmp_path / "bad", sampling_min_tokens=7)
 
 
+def test_evaluation_questions_seen_in_training_are_reported(tiny_model_dir, tmp_path, parity, capsys):
+    # sums of two one-digit numbers: about a hundred distinct questions, so the test split repeats them
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, eval_limit=20, rg_size=500))
+    assert "20 of 20 evaluation questions also occur in the training questions" in capsys.readouterr().out
+
+
 def test_weights_are_pushed_once_per_policy_version():
     loads = []
     sampler = type("Sampler", (), {"load_weights": lambda self, state: loads.append(1)})()
