@@ -97,10 +97,11 @@ def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    for r in rows:
+    for index, r in enumerate(rows):
         steps = [s for s, _ in r["curves"][0]]
         mean = [statistics.mean(c[i][1] for c in r["curves"]) for i in range(len(steps))]
-        ax.plot(steps, mean, marker="o", markersize=3, label=r["name"], linewidth=2.5 if r is rows[0] else 1.2)
+        ax.plot(steps, mean, marker="o", markersize=3, label=r["name"], linewidth=2.5 if r is rows[0] else 1.2,
+                linestyle="-" if index < 10 else "--")  # ten colours, then they repeat dashed
     ax.set_xlabel("RL step")
     ax.set_ylabel("test-split answer rate (greedy, mean over seeds)")
     ax.set_title(f"ablations: {budget_text}")
