@@ -31,7 +31,7 @@ def to_dict(args) -> dict:
 
 
 # Sums of two one-digit numbers from reasoning-gym (offline, seeded): the CPU default RL task.
-DEFAULT_RL_TASK = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=1,operators=+,allow_negation=false,allow_parentheses=false"
+DEFAULT_RL_TASK = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=2,operators=+,allow_negation=false,allow_parentheses=false"
 
 
 @dataclass

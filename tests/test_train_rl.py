@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from alignment import experience, models, train_rl
-from alignment.args import RLArgs, parse
+from alignment.args import DEFAULT_RL_TASK, RLArgs, parse
+from alignment.errors import UserError
 
 
 def parity_reward(text, ground_truth, *rest):
@@ -332,10 +333,17 @@ def test_sampling_min_tokens_reaches_the_rollout_sampler(tiny_model_dir, tmp_pat
         tiny_args(tiny_model_dir, tmp_path / "bad", sampling_min_tokens=7)
 
 
-def test_evaluation_questions_seen_in_training_are_reported(tiny_model_dir, tmp_path, parity, capsys):
-    # sums of two one-digit numbers: about a hundred distinct questions, so the test split repeats them
-    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, eval_limit=20, rg_size=500))
-    assert "20 of 20 evaluation questions also occur in the training questions" in capsys.readouterr().out
+def test_evaluation_questions_are_left_out_of_training(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    # sums of two one-digit numbers: about a hundred distinct questions, so the two splits share many
+    args = tiny_args(tiny_model_dir, tmp_path / "run", dataset=DEFAULT_RL_TASK.replace("max_digits=2", "max_digits=1"),
+                     eval_limit=50, rg_size=500)
+    train, held_out, _ = train_rl.load_questions(args)
+    asked = {row["question"] for row in held_out}
+    assert len(held_out) == 50 and 0 < len(train) < 500 and not asked & {row["question"] for row in train}
+    assert f"{500 - len(train)} of 500 training questions are evaluation questions too" in capsys.readouterr().out
+    monkeypatch.setattr(train_rl.data, "load_dataset", lambda name, split, *a, **k: [{"question": "1 + 1", "answer": "2"}])
+    with pytest.raises(UserError, match="every training question of .* is also an evaluation question"):
+        train_rl.load_questions(args)
 
 
 def test_weights_are_pushed_once_per_policy_version():
