@@ -30,7 +30,7 @@ def to_dict(args) -> dict:
     return asdict(args)
 
 
-# Sums of two one-digit numbers from reasoning-gym (offline, seeded): the CPU default RL task.
+# Sums of two numbers of up to two digits from reasoning-gym (offline, seeded): the CPU default RL task.
 DEFAULT_RL_TASK = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=2,operators=+,allow_negation=false,allow_parentheses=false"
 
 
@@ -113,7 +113,7 @@ class RLArgs(SamplerArgs, RolloutArgs):
     """Policy-gradient RL on math questions: REINFORCE, REINFORCE with a group baseline, GRPO-clip, GSPO; advantages from group normalisation, RLOO, REINFORCE++ or PPO's GAE with a critic."""
 
     model: str | None = arg(None, "policy to start from (default checkpoints/math_sft if it exists, else smollm2-135m)")
-    dataset: str = arg(DEFAULT_RL_TASK, "training questions: gsm8k, a MATH-style set, or rg:<task>[:key=value,...] (reasoning-gym); the default, sums of two one-digit numbers, is one the SFT'd 135M model gets 27% right, so RL has signal on 2 CPU cores")
+    dataset: str = arg(DEFAULT_RL_TASK, "training questions: gsm8k, a MATH-style set, or rg:<task>[:key=value,...] (reasoning-gym); the default, sums of two numbers of up to two digits, is one the SFT'd 135M model gets 20% right, so RL has signal on 2 CPU cores; questions of the evaluation set are left out of training")
     eval_dataset: str | None = arg(None, "evaluation set (default: the test split of --dataset)")
     data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
     rg_size: int = arg(2000, "problems generated for an rg: dataset")

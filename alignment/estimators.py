@@ -7,6 +7,8 @@ padding and on forced tokens (tool output). "Over a row's unmasked tokens" means
 were not there: masked tool output in the middle of a response does not cut a recursion.
 """
 
+import math
+
 import einx
 import torch
 
@@ -20,13 +22,17 @@ def clamped_log_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> tor
     return (numerator - denominator).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
 
 
-def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over the unmasked entries (population variance); 0 where masked."""
+def whiten(values: torch.Tensor, mask: torch.Tensor, total=float) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the unmasked entries (population variance); 0 where masked.
+    `total(x)` turns a sum over this batch into the sum over the whole batch: the identity in one process,
+    a sum over ranks under torchrun (`distributed.global_sum`; every rank calls it, also with no rows)."""
     kept = mask.bool()
-    if not kept.any():
+    count = total(kept.sum().item())
+    if count == 0:
         return torch.zeros_like(values)
-    mean, var = values[kept].mean(), values[kept].var(correction=0)
-    return torch.where(kept, (values - mean) / torch.sqrt(var + 1e-8), torch.zeros_like(values))
+    mean = total(values[kept].double().sum().item()) / count
+    var = total(((values[kept].double() - mean) ** 2).sum().item()) / count
+    return torch.where(kept, (values - mean) / math.sqrt(var + 1e-8), torch.zeros_like(values))
 
 
 def _scan_unmasked_backwards(step, response_mask: torch.Tensor, carry: list[torch.Tensor]) -> torch.Tensor:
@@ -86,18 +92,18 @@ def subtract_group_mean(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def compute_reinforce_pp_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                    gamma: float = 1.0) -> torch.Tensor:
+                                    gamma: float = 1.0, total=float) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, arXiv 2501.03262): the discounted return-to-go over each row's unmasked
     tokens, whitened over every unmasked token of the batch: (G - mean) / sqrt(var + 1e-8), population
     variance. (B, T), 0 at masked positions. For REINFORCE++-baseline pass token rewards built from
-    `subtract_group_mean` of the scalar rewards."""
+    `subtract_group_mean` of the scalar rewards. `total`: see `whiten` (the batch may span ranks)."""
     zeros = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype, device=token_rewards.device)
 
     def step(t, carry):
         ret = token_rewards[:, t] + gamma * carry[0]
         return ret, [ret]
     returns = _scan_unmasked_backwards(step, response_mask, [zeros])
-    return whiten(returns, response_mask)
+    return whiten(returns, response_mask, total)
 
 
 def outcome_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

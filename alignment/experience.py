@@ -139,8 +139,12 @@ def build_experience(args, batch: dict, policy, reference, critic, autocast) -> 
     token_kl = kl_penalty(old, ref, args.kl_estimator) if args.kl_in_reward else None
     values = (no_grad_rows(lambda p, r: rollout_values(critic, p, r), critic, rows, width,
                            args.train_mini_batch_size, autocast) if critic is not None else None)
-    advantages, returns = (compute_advantages(args, batch["raw_rewards"], mask, row_trace, token_kl, values) if rows
-                           else (torch.zeros(0, 1), None))
+    if rows:
+        advantages, returns = compute_advantages(args, batch["raw_rewards"], mask, row_trace, token_kl, values)
+    else:  # this rank kept no group; a whitening estimator still adds its (empty) share to the global statistics
+        advantages, returns = torch.zeros(0, 1), None
+        if args.advantage_estimator in ("reinforce_pp", "reinforce_pp_baseline", "gae"):
+            whiten(advantages, advantages, distributed.global_sum)
     metrics = {}
     if values is not None:
         metrics = {"value_mean": (values * mask).sum().item() / mask.sum().clamp(min=1).item(),
@@ -175,9 +179,9 @@ def compute_advantages(args, rewards: torch.Tensor, mask: torch.Tensor, row_trac
         token_rewards = outcome_token_rewards(base[row_trace], mask) + penalty
         if estimator == "gae":
             advantages, returns = compute_gae_advantages(token_rewards, values, mask, args.gamma, args.lam)
-            advantages = whiten(advantages, mask)
+            advantages = whiten(advantages, mask, distributed.global_sum)
         else:
-            advantages = compute_reinforce_pp_advantages(token_rewards, mask, args.gamma)
+            advantages = compute_reinforce_pp_advantages(token_rewards, mask, args.gamma, distributed.global_sum)
     return advantages, returns
 
 

@@ -128,9 +128,9 @@ def main(args: RLArgs) -> dict:
     if device:
         distributed.refuse({"--sample_device": args.sample_device, "--reference_model_device": args.reference_model_device,
                             "--eval_device": args.eval_device, "--critic_device": args.critic_device})
-        if args.advantage_estimator not in ("grpo", "rloo"):
-            raise UserError("under torchrun this loop whitens no token-level advantages across ranks and has no "
-                            "sharded critic: use --advantage_estimator grpo or rloo, or run without torchrun.")
+        if args.advantage_estimator == "gae":
+            raise UserError("under torchrun this loop has no sharded critic: use --advantage_estimator grpo, rloo "
+                            "or reinforce_pp[_baseline], or run gae without torchrun.")
         questions, world = args.rollout_batch_size // args.group_size, distributed.world_size()
         if questions % world:
             raise UserError(f"under torchrun a step's {questions} questions are split over {world} ranks in whole "

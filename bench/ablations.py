@@ -5,9 +5,10 @@ one plot.
     uv run python bench/ablations.py                  # 10 steps per run, about 4 hours
     uv run python bench/ablations.py --only grpo_clip,no_baseline --seeds 0
 
-Every run is `python -m alignment.train_rl` from checkpoints/math_sft on the default task with the
-defaults, changed only by its variant's flags; the answer rate on the task's test split (whose questions
-also occur in training: the task is small) is greedy, measured before the first step and every few steps. A run that is already complete is not repeated, one that was interrupted
+Every run is `python -m alignment.train_rl` from checkpoints/math_sft on --dataset (default: the RL
+default task) with the defaults, changed only by its variant's flags; the answer rate on the task's test
+split (whose questions are left out of training) is greedy, measured before the first step and every few
+steps. A run that is already complete is not repeated, one that was interrupted
 continues with --resume, so an interrupted sweep resumes where it stopped. Writes
 <out>/ablations.md (final accuracy mean and range over seeds, seconds per step) and <out>/ablations.png.
 """
@@ -20,6 +21,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from alignment.args import DEFAULT_RL_TASK
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +48,7 @@ BUDGETS = {  # (flags, description)
 }
 
 
-def run(name: str, flags: list[str], budget: list[str], seed: int, out: Path) -> Path:
+def run(name: str, flags: list[str], budget: list[str], seed: int, out: Path, dataset: str | None) -> Path:
     run_dir = out / f"{name}-seed{seed}"
     metrics = run_dir / "metrics.jsonl"
     n_steps = int(budget[budget.index("--n_steps") + 1])
@@ -56,7 +59,7 @@ def run(name: str, flags: list[str], budget: list[str], seed: int, out: Path) ->
         return run_dir
     # the variant's flags come last, so they win over the budget's (the off-policy train batch)
     command = [sys.executable, "-m", "alignment.train_rl", *budget, *flags, "--seed", str(seed),
-               "--output_dir", str(run_dir), "--save_every", "1"]
+               "--output_dir", str(run_dir), "--save_every", "1", *(["--dataset", dataset] if dataset else [])]
     if (run_dir / "checkpoint" / "trainer_state.pt").exists():
         command += ["--resume", str(run_dir)]
         print(f"[ablations] {run_dir.name}: resuming", flush=True)
@@ -83,9 +86,9 @@ def summarise(name: str, run_dirs: list[Path]) -> dict:
             "reward": statistics.mean(rewards), "curves": curves}
 
 
-def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int]):
-    lines = [f"Budget: {budget_text}; seeds {', '.join(map(str, seeds))}; greedy answer rate on the task's test "
-             f"split (its questions also occur in training).", "",
+def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int], dataset: str):
+    lines = [f"Budget: {budget_text}; seeds {', '.join(map(str, seeds))}; task {dataset}; greedy answer rate on "
+             f"the task's test split (its questions are left out of training).", "",
              "| variant | start | final (mean) | final (range) | final train reward | s/step |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -116,6 +119,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="the smaller budget (4 steps of 16 responses)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
+    parser.add_argument("--dataset", default=None, help="training task, as train_rl --dataset takes (default: its default)")
     parser.add_argument("--out", default=None, help="folder (default outputs/ablations[-quick])")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(VARIANTS)
@@ -128,8 +132,8 @@ def main():
     out = Path(args.out or ROOT / "outputs" / ("ablations-quick" if args.quick else "ablations"))
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
-    rows = [summarise(name, [run(name, VARIANTS[name], budget, seed, out) for seed in args.seeds]) for name in names]
-    write_outputs(rows, out, budget_text, args.seeds)
+    rows = [summarise(name, [run(name, VARIANTS[name], budget, seed, out, args.dataset) for seed in args.seeds]) for name in names]
+    write_outputs(rows, out, budget_text, args.seeds, args.dataset or DEFAULT_RL_TASK)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ them separately on the test questions that never occur among the training questi
     uv run python bench/transfer.py checkpoints/math_sft checkpoints/rl/add-seed0/checkpoint
     uv run python bench/transfer.py <models...> --train_dataset rg:chain_sum:max_terms=3 --dataset rg:chain_sum:max_terms=4
 
-The defaults fit the default RL run: trained on sums of two one-digit numbers (about 120 distinct
-questions, so its own test split repeats them), tested on the same sums with numbers of up to two digits,
-of which the ones with a two-digit number are new. A model already evaluated into --out is not evaluated
+The defaults fit the default RL run: trained on sums of two numbers of up to two digits, tested on sums
+of two numbers of up to three digits, of which the ones with a three-digit number are new. (The RL run's
+own evaluation already leaves its questions out of training; this asks how far the skill reaches.) A model already evaluated into --out is not evaluated
 again. Prints one table row per model: the answer rate on the new questions and on all, and the format rate.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from alignment import data, evaluate
 from alignment.args import DEFAULT_RL_TASK, EvalArgs
 
-TWO_DIGIT_SUMS = DEFAULT_RL_TASK.replace("max_digits=1", "max_digits=2")
+THREE_DIGIT_SUMS = DEFAULT_RL_TASK.replace("max_digits=2", "max_digits=3")
 
 
 def main():
@@ -26,7 +26,7 @@ def main():
     parser.add_argument("--train_dataset", default=DEFAULT_RL_TASK, help="the RL run's --dataset")
     parser.add_argument("--rg_size", type=int, default=2000, help="the RL run's --rg_size (training questions)")
     parser.add_argument("--seed", type=int, default=0, help="the RL run's --seed (it picks the training questions)")
-    parser.add_argument("--dataset", default=TWO_DIGIT_SUMS, help="test set (its test split)")
+    parser.add_argument("--dataset", default=THREE_DIGIT_SUMS, help="test set (its test split)")
     parser.add_argument("--limit", type=int, default=100, help="test questions")
     parser.add_argument("--max_tokens", type=int, default=128)
     parser.add_argument("--out", default="outputs/transfer", help="one evaluation folder per model inside")

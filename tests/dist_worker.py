@@ -6,8 +6,8 @@ settings: {"script": "rl" | "sft", "args": {...flags...}, "fixed_rollouts": bool
 - fixed_rollouts: rollouts are a pure function of the prompt (no sampling), and the reward of sample k is
   k's parity, so one process and two see exactly the same data.
 - uneven: only the first half of each step's questions (rank 0's share under 2 processes) get rewards
-  with spread; the others get a constant reward and are filtered out, so rank 1 trains on nothing and
-  must still join every collective.
+  with spread; the others get a constant reward 0 (with dynamic sampling they are filtered out, so rank 1
+  trains on nothing and must still join every collective).
 - engine_report: after the run each rank writes to path.<rank> the largest gap between its own sampler's
   log-probs of a fixed sequence and those of the run's final checkpoint (and of the starting model).
 """

@@ -56,22 +56,29 @@ def assert_same_training(tmp_path):
     assert max_weight_difference(tmp_path / "p1" / "checkpoint", tmp_path / "p2" / "checkpoint") <= 1e-5
 
 
-@pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-mean", "token-mean"])
-def test_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path, loss_agg_mode):
+@pytest.mark.parametrize("loss_agg_mode,estimator", [("seq-mean-token-mean", "grpo"), ("token-mean", "grpo"),
+                                                     ("token-mean", "reinforce_pp")])  # whitened over both ranks
+def test_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path, loss_agg_mode, estimator):
     for processes in (1, 2):
-        settings = rl_settings(tiny_model_dir, tmp_path / f"p{processes}", loss_agg_mode=loss_agg_mode)
-        run({**settings, "fixed_rollouts": True}, processes, tmp_path)
+        settings = rl_settings(tiny_model_dir, tmp_path / f"p{processes}", loss_agg_mode=loss_agg_mode,
+                               advantage_estimator=estimator)
+        # uneven: the two ranks' returns differ (rank 1's are all 0), so whitening each rank on its own
+        # would not give one process's advantages
+        run({**settings, "fixed_rollouts": True, "uneven": estimator != "grpo"}, processes, tmp_path)
     assert_same_training(tmp_path)
     start = models.load_model(tiny_model_dir)
     moved = models.load_model(str(tmp_path / "p2" / "checkpoint"))
     assert max((p - q).abs().max().item() for p, q in zip(start.parameters(), moved.parameters())) > 1e-4
 
 
-def test_a_rank_with_nothing_to_train_joins_every_collective(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce_pp_baseline"])
+def test_a_rank_with_nothing_to_train_joins_every_collective(tiny_model_dir, tmp_path, estimator):
     """Dynamic sampling drops all of rank 1's groups: it must still match rank 0's forward/backward calls
-    (dummy microbatches), and the update equals one process's on the same kept groups."""
+    (dummy microbatches) and whitening's global sums, and the update equals one process's on the same
+    kept groups."""
     for processes in (1, 2):
-        settings = rl_settings(tiny_model_dir, tmp_path / f"p{processes}", filter_low=0.0, max_sampling_rounds=1)
+        settings = rl_settings(tiny_model_dir, tmp_path / f"p{processes}", filter_low=0.0, max_sampling_rounds=1,
+                               advantage_estimator=estimator)
         run({**settings, "fixed_rollouts": True, "uneven": True}, processes, tmp_path, timeout=300)
     metrics = read_jsonl(tmp_path / "p2" / "metrics.jsonl")
     assert [m["kept_traces"] for m in metrics] == [4, 4]  # half the batch: rank 0's groups only
@@ -127,6 +134,7 @@ def test_two_process_sft_checkpoints_and_resumes(tiny_model_dir, data_dir, tmp_p
 
 @pytest.mark.parametrize("flags,message", [
     (["--sample_device", "cpu"], "error: --sample_device places a role on a device"),
+    (["--advantage_estimator", "gae"], "error: under torchrun this loop has no sharded critic"),
     (["--rollout_batch_size", "12", "--train_batch_size", "12", "--train_mini_batch_size", "4"],
      "error: under torchrun a step's 3 questions are split over 2 ranks"),
 ])
