@@ -11,7 +11,7 @@ from transformers import HfArgumentParser
 
 
 def arg(default, help: str):
-    return field(default=default, metadata={"help": help})
+    return field(default=default, metadata={"help": help.replace("%", "%%")})  # argparse formats help with %
 
 
 def parse(cls, argv=None):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from alignment import experience, models, train_rl
-from alignment.args import DEFAULT_RL_TASK, RLArgs, parse
+from alignment.args import DEFAULT_RL_TASK, EvalArgs, RLArgs, SFTArgs, parse
 from alignment.errors import UserError
 
 
@@ -439,3 +439,14 @@ def test_estimator_flag_checks(capsys):
         with pytest.raises(SystemExit):
             parse(RLArgs, argv)
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cls", [RLArgs, EvalArgs, SFTArgs])
+def test_help_prints_every_flag_as_written(cls, capsys):
+    # argparse %-formats help text: a bare "%" in a help line used to dump the argument's dict instead
+    with pytest.raises(SystemExit):
+        parse(cls, ["--help"])
+    out = capsys.readouterr().out
+    assert "option_strings" not in out and "--output_dir" in out
+    if cls is RLArgs:
+        assert "gets 20% right" in " ".join(out.split())
