@@ -31,6 +31,8 @@ def to_dict(args) -> dict:
 
 
 # Sums of two numbers of up to two digits from reasoning-gym (offline, seeded): the CPU default RL task.
+# Advantage estimators that give each token its own advantage (one row per trace; whitened over the batch).
+TOKEN_LEVEL_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 DEFAULT_RL_TASK = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=2,operators=+,allow_negation=false,allow_parentheses=false"
 
 
@@ -173,10 +175,10 @@ class RLArgs(SamplerArgs, RolloutArgs):
         self.check_rollout()
         if self.loss_type not in ("no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo"):
             raise ValueError(f"--loss_type {self.loss_type!r} is not one of no_baseline, reinforce_with_baseline, grpo_clip, gspo.")
-        estimators = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+        estimators = ("grpo", "rloo", *TOKEN_LEVEL_ESTIMATORS)
         if self.advantage_estimator not in estimators:
             raise ValueError(f"--advantage_estimator {self.advantage_estimator!r} is not one of {', '.join(estimators)}.")
-        per_token = self.advantage_estimator in ("reinforce_pp", "reinforce_pp_baseline", "gae")
+        per_token = self.advantage_estimator in TOKEN_LEVEL_ESTIMATORS
         if per_token and self.rollout_mode == "delethink":
             raise ValueError(f"--advantage_estimator {self.advantage_estimator} runs its recursion over one row per trace, "
                              f"but delethink spreads a trace over several rows: use grpo or rloo.")

@@ -30,8 +30,9 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, total=float) -> torch.Tenso
     count = total(kept.sum().item())
     if count == 0:
         return torch.zeros_like(values)
-    mean = total(values[kept].double().sum().item()) / count
-    var = total(((values[kept].double() - mean) ** 2).sum().item()) / count
+    kept_values = values[kept].double()
+    mean = total(kept_values.sum().item()) / count
+    var = total(((kept_values - mean) ** 2).sum().item()) / count
     return torch.where(kept, (values - mean) / math.sqrt(var + 1e-8), torch.zeros_like(values))
 
 

@@ -22,6 +22,7 @@ import time
 import torch
 
 from alignment import distributed, tir
+from alignment.args import TOKEN_LEVEL_ESTIMATORS
 from alignment.estimators import (compute_gae_advantages, compute_reinforce_pp_advantages, compute_rloo_advantages,
                                   explained_variance, kl_penalty, outcome_token_rewards, subtract_group_mean, whiten)
 from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts
@@ -143,7 +144,7 @@ def build_experience(args, batch: dict, policy, reference, critic, autocast) -> 
         advantages, returns = compute_advantages(args, batch["raw_rewards"], mask, row_trace, token_kl, values)
     else:  # this rank kept no group; a whitening estimator still adds its (empty) share to the global statistics
         advantages, returns = torch.zeros(0, 1), None
-        if args.advantage_estimator in ("reinforce_pp", "reinforce_pp_baseline", "gae"):
+        if args.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
             whiten(advantages, advantages, distributed.global_sum)
     metrics = {}
     if values is not None:

@@ -14,9 +14,9 @@ settings: {"script": "rl" | "sft", "args": {...flags...}, "fixed_rollouts": bool
 
 import json
 import sys
+from pathlib import Path
 
 import torch
-from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -24,6 +24,7 @@ from alignment import distributed, experience, models, sft, train_rl  # noqa: E4
 from alignment.args import RLArgs, SFTArgs  # noqa: E402
 from alignment.evaluate import build_prompts  # noqa: E402
 from alignment.rollout import Rollout  # noqa: E402
+from alignment.tokens import rollout_log_probs  # noqa: E402
 
 
 def scripted_rollouts(sampler, tokenizer, prompt_ids, params, args):
@@ -62,10 +63,9 @@ def main(settings: dict):
         report_engine(made[0], args, settings["engine_report"])
 
 
+@torch.no_grad()
 def token_log_probs(model, ids):
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1]
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return rollout_log_probs(model, [ids[:1]], [ids[1:]])["log_probs"][0]
 
 
 def report_engine(engine, args, path):
