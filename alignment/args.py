@@ -37,6 +37,22 @@ DEFAULT_RL_TASK = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=2,oper
 
 
 @dataclass
+class RunArgs:
+    """The run folder and its bookkeeping (alignment/run.py), the same for SFT and RL."""
+
+    output_dir: str | None = arg(None, "run folder: config.json, metrics.jsonl, rollouts.jsonl, checkpoint/")
+    resume: str | None = arg(None, "run folder to continue from its last checkpoint, with the flags it was started with")
+    overwrite: bool = arg(False, "delete what --output_dir holds and start over (without it a used run folder is refused)")
+    logger: str = arg("none", "none, tensorboard or wandb (extra metrics sink; metrics.jsonl is always written)")
+
+    def check_run(self):
+        if self.logger not in ("none", "tensorboard", "wandb"):
+            raise ValueError(f"--logger {self.logger!r} is not one of none, tensorboard, wandb.")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues a run and --overwrite deletes it: pass one of them.")
+
+
+@dataclass
 class RolloutArgs:
     """Options of the rollout modes, shared by evaluation and RL (each mode reads only its own)."""
 
@@ -111,7 +127,7 @@ class EvalArgs(SamplerArgs, RolloutArgs):
 
 
 @dataclass
-class RLArgs(SamplerArgs, RolloutArgs):
+class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
     """Policy-gradient RL on math questions: REINFORCE, REINFORCE with a group baseline, GRPO-clip, GSPO; advantages from group normalisation, RLOO, REINFORCE++ or PPO's GAE with a critic."""
 
     model: str | None = arg(None, "policy to start from (default checkpoints/math_sft if it exists, else smollm2-135m)")
@@ -122,7 +138,7 @@ class RLArgs(SamplerArgs, RolloutArgs):
     prompt: str = arg("r1_zero", "prompt template (r1_zero, question_only, tir); picks the reward function")
     chat_template: bool = arg(False, "wrap the filled prompt in the tokenizer's chat template")
     loss_type: str = arg("grpo_clip", "no_baseline, reinforce_with_baseline, grpo_clip (PPO's clipped token ratio) or gspo (clipped sequence ratio)")
-    advantage_estimator: str = arg("grpo", "grpo (group-normalised), rloo (leave-one-out), reinforce_pp, reinforce_pp_baseline (REINFORCE++) or gae (PPO with a critic)")
+    advantage_estimator: str = arg("grpo", "grpo (group-normalised), rloo (leave-one-out), reinforce_pp, reinforce_pp_baseline (REINFORCE++), gae (PPO with a critic) or none (the raw reward; --loss_type no_baseline implies it)")
     gamma: float = arg(1.0, "discount for reinforce_pp and gae")
     lam: float = arg(1.0, "GAE's lambda (1: Monte Carlo returns minus the value; verl's default 1, PPO's 0.95)")
     group_size: int = arg(4, "responses sampled per question (the group that shares a baseline)")
@@ -161,21 +177,22 @@ class RLArgs(SamplerArgs, RolloutArgs):
     eval_max_tokens: int = arg(128, "generated tokens per evaluation answer")
     save_every: int = arg(10, "checkpoint every N steps (and at the end)")
     log_rollouts: int = arg(4, "full rollouts written to rollouts.jsonl per step")
-    logger: str = arg("none", "none, tensorboard or wandb (extra metrics sink; metrics.jsonl is always written)")
     seed: int = arg(0, "seed for data order, sampling and initialisation")
     sample_device: str | None = arg(None, "device of the sampler (default: see models.assign_device_roles)")
     reference_model_device: str | None = arg(None, "device of the frozen reference model")
     eval_device: str | None = arg(None, "device of periodic evaluation")
     bf16_weights: bool = arg(False, "GPU: keep the policy's parameters and AdamW state in bf16 (half the memory; small updates round away). Default: fp32 master weights, bf16 autocast")
     sample_batch_size: int = arg(64, "HF sampler: sequences per generation batch")
-    output_dir: str | None = arg(None, "run folder (default checkpoints/rl/<loss_type>-<time>)")
-    resume: str | None = arg(None, "run folder to resume from its last checkpoint (same data order afterwards)")
+    output_dir: str | None = arg(None, "run folder (default checkpoints/rl/<loss_type>-<time>): config.json, metrics.jsonl, rollouts.jsonl, checkpoint/")
 
     def check(self):
         self.check_rollout()
+        self.check_run()
         if self.loss_type not in ("no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo"):
             raise ValueError(f"--loss_type {self.loss_type!r} is not one of no_baseline, reinforce_with_baseline, grpo_clip, gspo.")
-        estimators = ("grpo", "rloo", *TOKEN_LEVEL_ESTIMATORS)
+        estimators = ("grpo", "rloo", *TOKEN_LEVEL_ESTIMATORS, "none")
+        if self.loss_type == "no_baseline" and self.advantage_estimator == "grpo":
+            self.advantage_estimator = "none"  # implied: REINFORCE without a baseline trains on the raw reward
         if self.advantage_estimator not in estimators:
             raise ValueError(f"--advantage_estimator {self.advantage_estimator!r} is not one of {', '.join(estimators)}.")
         per_token = self.advantage_estimator in TOKEN_LEVEL_ESTIMATORS
@@ -192,9 +209,9 @@ class RLArgs(SamplerArgs, RolloutArgs):
             raise ValueError(f"--kl_estimator {self.kl_estimator!r} is not one of k1, k2, k3.")
         if self.kl_in_reward and self.kl_coef <= 0:
             raise ValueError("--kl_in_reward needs --kl_coef > 0 (the weight of the penalty).")
-        if self.loss_type == "no_baseline" and (self.kl_in_reward or self.advantage_estimator != "grpo"):
-            raise ValueError("--loss_type no_baseline trains on the raw reward, so it would ignore --kl_in_reward and "
-                             "--advantage_estimator: use reinforce_with_baseline or grpo_clip with them.")
+        if self.loss_type == "no_baseline" and self.advantage_estimator != "none":
+            raise ValueError(f"--loss_type no_baseline trains on the raw reward, so it would ignore --advantage_estimator "
+                             f"{self.advantage_estimator}: use reinforce_with_baseline or grpo_clip with it.")
         if self.kl_estimator == "k1" and self.kl_coef > 0 and not self.kl_in_reward:
             raise ValueError("k1 as a loss term has a zero-mean gradient (it only adds noise): use --kl_estimator k2 "
                              "or k3 in the loss, or k1 with --kl_in_reward.")
@@ -223,8 +240,6 @@ class RLArgs(SamplerArgs, RolloutArgs):
             raise ValueError("--rollout_mode delethink spreads a trace over several rows: use --loss_agg_mode trace-length.")
         if self.rollout_mode == "tir" and self.prompt != "tir":
             raise ValueError("--rollout_mode tir needs --prompt tir (the prompt that tells the model it can run code).")
-        if self.logger not in ("none", "tensorboard", "wandb"):
-            raise ValueError(f"--logger {self.logger!r} is not one of none, tensorboard, wandb.")
         if self.max_sampling_rounds < 1:
             raise ValueError("--max_sampling_rounds must be at least 1.")
         if not 0 < self.sampling_top_p <= 1 or self.sampling_temperature <= 0:
@@ -232,7 +247,7 @@ class RLArgs(SamplerArgs, RolloutArgs):
 
 
 @dataclass
-class SFTArgs(SamplerArgs):
+class SFTArgs(RunArgs, SamplerArgs):
     """Supervised fine-tuning on reasoning traces (GSM8K reference solutions, or your own JSONL)."""
 
     model: str = arg("smollm2-135m", "policy to fine-tune: hub id, local HF folder or smollm2-135m (packaged, offline)")
@@ -252,11 +267,11 @@ class SFTArgs(SamplerArgs):
     eval_max_tokens: int = arg(256, "maximum generated tokens per evaluation answer")
     eval_batch_size: int = arg(64, "sequences per generation batch during evaluation")
     save_every: int = arg(0, "also save a checkpoint every N steps (0: only at the end)")
-    output_dir: str = arg("checkpoints/math_sft", "checkpoint folder (weights, tokenizer, run_config.json, metrics.jsonl)")
-    resume: bool = arg(False, "continue from the checkpoint in --output_dir (same flags otherwise)")
+    output_dir: str = arg("checkpoints/math_sft", "run folder: config.json, metrics.jsonl, rollouts.jsonl (evaluation samples), checkpoint/ (the model: --model takes the run folder)")
     seed: int = arg(0, "seed for data order and torch")
 
     def check(self):
+        self.check_run()
         if self.microbatch_size < 1 or self.batch_size % self.microbatch_size:
             raise ValueError(f"--batch_size {self.batch_size} must be a positive multiple of --microbatch_size "
                              f"{self.microbatch_size}; change one of them.")

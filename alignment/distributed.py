@@ -6,7 +6,7 @@
 `setup()` sees the launch (torchrun sets WORLD_SIZE, RANK, LOCAL_RANK), starts the process group (nccl on
 GPUs, gloo on CPUs) and gives each rank its device. `shard()` wraps the policy with FSDP2's `fully_shard`,
 one unit per decoder layer and then the root. FSDP averages gradients over ranks, so a rank divides its
-loss by `per_rank_count(n)` = (the global count) / world size wherever one process would divide by the
+loss by `per_rank_counts(n)` = (the global count) / world size wherever one process would divide by the
 count n of the whole batch: the average of the ranks' gradients is then one process's gradient on the
 whole batch. (Summing instead needs a reduce op that gloo lacks.) On GPU the compute runs in bf16 with
 fp32 master weights (MixedPrecisionPolicy).
@@ -62,11 +62,16 @@ def barrier():
 
 def global_sum(value: float) -> float:
     """The sum of `value` over ranks (itself in one process)."""
+    return global_sums([value])[0] if dist.is_initialized() else value
+
+
+def global_sums(values: list[float]) -> list[float]:
+    """The sums over ranks of several numbers, in one collective (the numbers themselves in one process)."""
     if not dist.is_initialized():
-        return value
-    tensor = _to_backend(torch.tensor([float(value)], dtype=torch.float64))
+        return list(values)
+    tensor = _to_backend(torch.tensor([float(v) for v in values], dtype=torch.float64))
     dist.all_reduce(tensor)
-    return float(tensor.cpu().item())
+    return tensor.cpu().tolist()
 
 
 def global_max(value: float) -> float:
@@ -81,10 +86,11 @@ def global_min(value: float) -> float:
     return -global_max(-value)
 
 
-def per_rank_count(count: float) -> float:
-    """What a rank divides by where one process would divide by `count` summed over the whole batch:
-    the global sum over the world size (see the module docstring). `count` itself in one process."""
-    return global_sum(count) / world_size()
+def per_rank_counts(*counts: float) -> list[float]:
+    """What a rank divides by where one process would divide by each of `counts` summed over the whole
+    batch: the global sums over the world size (see the module docstring), in one collective. The counts
+    themselves in one process."""
+    return [total / world_size() for total in global_sums(counts)]
 
 
 def gather_objects(obj) -> list:
@@ -99,6 +105,14 @@ def gather_objects(obj) -> list:
 def even_out(count: int) -> int:
     """How many collective calls this rank makes so that all make the same number: the most of any rank."""
     return int(global_max(count))
+
+
+def microbatches(items: list, size: int, collective: bool) -> list[list]:
+    """`items` in consecutive parts of `size`. `collective` (a sharded model runs on each part): as many
+    parts as the busiest rank has, the extra ones empty, on which the caller runs a dummy forward (and
+    backward) so that every rank's collectives line up."""
+    parts = -(-len(items) // size)
+    return [items[i * size:(i + 1) * size] for i in range(even_out(parts) if collective else parts)]
 
 
 def _to_backend(tensor: torch.Tensor) -> torch.Tensor:

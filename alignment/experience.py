@@ -2,6 +2,7 @@
 before any weight changes: old-policy and reference log-probs, the critic's values, and the advantages.
 
 The advantage estimator is picked here, in one place (`compute_advantages`):
+- none: the reward itself (REINFORCE without a baseline; what --loss_type no_baseline trains on).
 - grpo: reward minus the group mean, over the group std when --use_std_normalization (DeepSeekMath eq. 3;
   Dr. GRPO without the std). One number per trace, on every token of every row of the trace.
 - rloo: reward minus the mean of the other group members (Ahmadian et al. 2024). Per trace.
@@ -13,11 +14,14 @@ With --kl_in_reward the per-token KL to the reference (estimator --kl_estimator)
 subtracted from the token rewards (the PPO / REINFORCE++ way); the per-trace estimators use the trace's
 reward minus its summed penalty.
 
-Everything is a padded (rows, T) tensor over the kept traces' rows, in trace order, on the CPU; the
-training loop slices microbatches out of it.
+Two records cross from here to the loop: `Batch` (one step's scored rollouts) and `Experience` (what the
+update needs: padded (rows, T) tensors over the kept traces' rows, in trace order, on the CPU), which
+gives each train batch its loss weights once and each microbatch its slice on the policy's device.
 """
 
+import math
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,10 +30,83 @@ from alignment.args import TOKEN_LEVEL_ESTIMATORS
 from alignment.estimators import (compute_gae_advantages, compute_reinforce_pp_advantages, compute_rloo_advantages,
                                   explained_variance, kl_penalty, outcome_token_rewards, subtract_group_mean, whiten)
 from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts
-from alignment.grpo import compute_group_normalized_rewards, filter_groups
-from alignment.rollout import traces
+from alignment.grpo import compute_group_normalized_rewards, filter_groups, loss_weights, reward_metrics
+from alignment.rollout import Rollout, traces
 from alignment.sampling import SamplingParams, derive_seed
 from alignment.tokens import rollout_log_probs, rollout_values
+
+
+@dataclass
+class Batch:
+    """One step's scored rollouts on this rank."""
+
+    traces: list[list[Rollout]]  # the kept traces (whole groups, in order), each a list of rows
+    rewards: torch.Tensor  # (traces,) each kept trace's reward
+    metrics: dict  # reward and sampling numbers over every sampled trace of every rank
+    samples: list[dict]  # full rollouts (prompt, response, reward) for rollouts.jsonl
+    seconds: dict  # {"sample": s, "score": s}
+
+
+@dataclass
+class Microbatch:
+    """An Experience's rows for one forward/backward, on the policy's device; T is their longest response."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    mask: torch.Tensor  # (B, T)
+    advantages: torch.Tensor  # (B, 1) or (B, T)
+    sampler_log_probs: torch.Tensor  # (B, T)
+    old_log_probs: torch.Tensor | None  # (B, T) or None
+    ref_log_probs: torch.Tensor | None
+    old_values: torch.Tensor | None
+    returns: torch.Tensor | None
+
+
+@dataclass
+class Experience:
+    """Everything one step's update needs, computed before any weight changes: padded (rows, T) float32 CPU
+    tensors over the kept traces' rows, in trace order (0 past each row's end)."""
+
+    rows: list[Rollout]
+    row_trace: torch.Tensor  # (rows,) the index of each row's trace
+    mask: torch.Tensor  # (rows, T) the loss mask: 1 on sampled tokens
+    advantages: torch.Tensor  # (rows, 1) from a per-trace estimator, (rows, T) from a per-token one
+    sampler_log_probs: torch.Tensor  # (rows, T) the sampler's own log-probs; NaN where it gave none
+    old_log_probs: torch.Tensor | None = None  # None on-policy: the loop uses its own detached log-probs
+    ref_log_probs: torch.Tensor | None = None  # None without a reference model
+    old_values: torch.Tensor | None = None  # gae: the critic's values before the update
+    returns: torch.Tensor | None = None  # gae: the critic's targets
+    metrics: dict = field(default_factory=dict)
+
+    def loss_weights(self, rows: list[int], mode: str, max_response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's weight in the loss of the train batch made of `rows`: for the policy loss under
+        `mode` (`grpo.loss_weights`) and for the token-mean value loss. (all rows,) each, 0 outside the
+        train batch. The batch's counts are over every rank (one collective), taken once per train batch."""
+        mask, traces = self.mask[rows], self.row_trace[rows]
+        num_rows, num_tokens, num_traces = distributed.per_rank_counts(len(rows), mask.sum().item(),
+                                                                        len(set(traces.tolist())))
+        # Delethink's trace length counts the tokens the loss sums over (forced tokens excluded)
+        trace_tokens = torch.zeros(len(self.rows) and int(self.row_trace.max()) + 1).index_add(
+            0, self.row_trace, self.mask.sum(-1))
+        policy, value = torch.zeros(len(self.rows), dtype=torch.float64), torch.zeros(len(self.rows), dtype=torch.float64)
+        policy[rows] = loss_weights(mode, mask, num_rows=num_rows, num_tokens=num_tokens, num_traces=num_traces,
+                                    max_response_length=max_response_length, trace_lengths=trace_tokens[traces])
+        value[rows] = loss_weights("token-mean", mask, num_rows=num_rows, num_tokens=num_tokens)
+        return policy, value
+
+    def microbatch(self, rows: list[int], device) -> Microbatch:
+        """The slice of `rows`, cut to their longest response, on `device`."""
+        width = max(len(self.rows[i].response_ids) for i in rows)
+
+        def take(tensor):
+            return None if tensor is None else tensor[rows, :width].to(device)
+        advantages = self.advantages[rows]
+        return Microbatch(prompts=[self.rows[i].prompt_ids for i in rows],
+                          responses=[self.rows[i].response_ids for i in rows], mask=take(self.mask),
+                          advantages=(advantages if advantages.shape[1] == 1 else advantages[:, :width]).to(device),
+                          sampler_log_probs=take(self.sampler_log_probs), old_log_probs=take(self.old_log_probs),
+                          ref_log_probs=take(self.ref_log_probs), old_values=take(self.old_values),
+                          returns=take(self.returns))
 
 
 def questions_at(rows: list[dict], position: int, count: int, seed: int) -> list[dict]:
@@ -45,7 +122,7 @@ def questions_at(rows: list[dict], position: int, count: int, seed: int) -> list
     return picked
 
 
-def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, score) -> tuple[dict, int]:
+def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, score) -> tuple[Batch, int]:
     """Sample, score and (with dynamic sampling) filter groups for one step; returns the batch and the
     new stream position. DAPO's refill (section 3.2): while fewer than rollout_batch_size / group_size
     informative groups were kept, draw that many more questions, up to --max_sampling_rounds rounds;
@@ -68,9 +145,9 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     seconds = {"sample": 0.0, "score": 0.0}
     for sampling_round in range(1, args.max_sampling_rounds + 1):
         start = time.perf_counter()
-        batch = questions_at(rows, drawn + rank * share, share, args.seed)
+        asked = questions_at(rows, drawn + rank * share, share, args.seed)
         drawn += questions
-        prompt_texts, prompt_ids = build_prompts(tokenizer, batch, args.prompt, args.chat_template)
+        prompt_texts, prompt_ids = build_prompts(tokenizer, asked, args.prompt, args.chat_template)
         params = SamplingParams(n=args.group_size, temperature=args.sampling_temperature, top_p=args.sampling_top_p,
                                 max_tokens=args.sampling_max_tokens, min_tokens=args.sampling_min_tokens, stop=stop,
                                 logprobs=True,
@@ -78,24 +155,19 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
         round_traces = traces(ROLLOUT_MODES[args.rollout_mode](sampler, tokenizer, prompt_ids, params, args))
         seconds["sample"] += time.perf_counter() - start
         start = time.perf_counter()
-        scores = []
-
-        def score_and_keep(row, truth):
-            scores.append(score(row, truth))
-            return scores[-1]
-        _, raw, meta = compute_group_normalized_rewards(
-            score_and_keep, [t[-1] for t in round_traces], [batch[t[-1].group_id]["answer"] for t in round_traces],
-            args.group_size, args.advantage_eps, args.use_std_normalization)
+        # a trace's last row holds its whole text
+        scores = [score(t[-1], asked[t[-1].group_id]["answer"]) for t in round_traces]
+        raw = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
         keep = torch.ones(len(round_traces), dtype=torch.bool)
         if filtering:
             accuracy = torch.tensor([float(s["answer_reward"]) for s in scores])
             keep = filter_groups(raw, args.group_size, args.filter_low, args.filter_high, accuracy=accuracy)
-        metas.append(meta)
+        metas.append(reward_metrics(raw, scores, args.group_size))
         seconds["score"] += time.perf_counter() - start
         mode_rows += [t[-1] for t in round_traces]
         lengths += [sum(sum(r.loss_mask) for r in t) for t in round_traces]  # sampled tokens per trace
         samples += [{"prompt": prompt_texts[t[-1].group_id], "response": t[-1].text, "reward": r,
-                     "ground_truth": batch[t[-1].group_id]["answer"], "rows": len(t), "stats": t[-1].stats}
+                     "ground_truth": asked[t[-1].group_id]["answer"], "rows": len(t), "stats": t[-1].stats}
                     for t, r in zip(round_traces, raw.tolist())]
         for i in keep.nonzero().flatten().tolist():
             kept.append(round_traces[i])
@@ -111,23 +183,18 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     if args.rollout_mode == "tir":
         metrics.update(tir.tir_metrics(mode_rows, [s["reward"] for s in samples]))
     counts = ("kept_traces", "questions_sampled")  # summed over ranks; the rest are means of equal shares
-    metrics = {k: distributed.global_sum(v) / (1 if k in counts else distributed.world_size()) for k, v in metrics.items()}
-    batch = {"traces": kept, "raw_rewards": torch.stack(raw_rewards) if kept else torch.zeros(0), "metrics": metrics,
-             "samples": samples, "seconds": seconds}
-    return batch, drawn
+    totals = distributed.global_sums(list(metrics.values()))
+    metrics = {k: v / (1 if k in counts else distributed.world_size()) for k, v in zip(metrics, totals)}
+    return Batch(kept, torch.stack(raw_rewards) if kept else torch.zeros(0), metrics, samples, seconds), drawn
 
 
-def build_experience(args, batch: dict, policy, reference, critic, autocast) -> dict:
-    """Padded (rows, T) tensors for the update of the kept traces: `mask` (loss mask), `row_trace` (rows,),
-    `advantages`, `raw_rewards` (rows,: the trace's reward, for no_baseline), `old_log_probs` (None when
-    on-policy without KL in the reward: the loop then uses its own detached log-probs), `ref_log_probs`
-    (None without a reference), `old_values` and `returns` (gae only), and `metrics`."""
-    rows = [row for trace in batch["traces"] for row in trace]  # none on a rank that kept no group
-    row_trace = torch.tensor([i for i, trace in enumerate(batch["traces"]) for _ in trace], dtype=torch.long)
+def build_experience(args, batch: Batch, policy, reference, critic, autocast) -> Experience:
+    """The update's inputs for the kept traces: old-policy log-probs (only off-policy or with KL in the
+    reward), reference log-probs (with a reference), the critic's values (gae), and the advantages."""
+    rows = [row for trace in batch.traces for row in trace]  # none on a rank that kept no group
+    row_trace = torch.tensor([i for i, trace in enumerate(batch.traces) for _ in trace], dtype=torch.long)
     width = max((len(r.response_ids) for r in rows), default=1)
-    mask = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        mask[i, :len(row.loss_mask)] = torch.tensor(row.loss_mask, dtype=torch.float32)
+    mask = _pad([r.loss_mask for r in rows], width, 0.0)
     on_policy = args.epochs_per_rollout_batch == 1 and args.train_batch_size == args.rollout_batch_size
     temperature = args.sampling_temperature
 
@@ -141,7 +208,7 @@ def build_experience(args, batch: dict, policy, reference, critic, autocast) -> 
     values = (no_grad_rows(lambda p, r: rollout_values(critic, p, r), critic, rows, width,
                            args.train_mini_batch_size, autocast) if critic is not None else None)
     if rows:
-        advantages, returns = compute_advantages(args, batch["raw_rewards"], mask, row_trace, token_kl, values)
+        advantages, returns = compute_advantages(args, batch.rewards, mask, row_trace, token_kl, values)
     else:  # this rank kept no group; a whitening estimator still adds its (empty) share to the global statistics
         advantages, returns = torch.zeros(0, 1), None
         if args.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
@@ -152,23 +219,33 @@ def build_experience(args, batch: dict, policy, reference, critic, autocast) -> 
                    "explained_variance": explained_variance(values, returns, mask)}
     if token_kl is not None:
         metrics["kl_in_reward"] = (token_kl * mask).sum().item() / mask.sum().clamp(min=1).item()
-    return {"rows": rows, "row_trace": row_trace, "mask": mask, "advantages": advantages,
-            "raw_rewards": batch["raw_rewards"][row_trace], "old_log_probs": old, "ref_log_probs": ref,
-            "old_values": values, "returns": returns, "metrics": metrics}
+    return Experience(rows, row_trace, mask, advantages, _pad([r.sampler_logprobs or [] for r in rows], width, math.nan),
+                      old, ref, values, returns, metrics)
+
+
+def _pad(lists: list[list[float]], width: int, value: float) -> torch.Tensor:
+    """(len(lists), width) float32, each list from the left, `value` after its end."""
+    out = torch.full((len(lists), width), value)
+    for i, values in enumerate(lists):
+        out[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
 
 
 def compute_advantages(args, rewards: torch.Tensor, mask: torch.Tensor, row_trace: torch.Tensor,
                        token_kl: torch.Tensor | None, values: torch.Tensor | None):
-    """(advantages, returns) for --advantage_estimator: the one place that branches on it. Advantages are
-    (rows, 1) for the per-trace estimators and (rows, T) for the per-token ones; returns (rows, T) for gae,
-    else None. `rewards` (traces,) in consecutive groups; `row_trace` maps rows to traces."""
+    """(advantages, returns) for --advantage_estimator: the one place that branches on it, and the only place
+    advantages are computed. Advantages are (rows, 1) for the per-trace estimators and (rows, T) for the
+    per-token ones; returns (rows, T) for gae, else None. `rewards` (traces,) in consecutive groups;
+    `row_trace` maps rows to traces."""
     penalty = -args.kl_coef * token_kl * mask if token_kl is not None else torch.zeros_like(mask)  # (rows, T)
     estimator, n = args.advantage_estimator, args.group_size
     returns = None
-    if estimator in ("grpo", "rloo"):
+    if estimator in ("none", "grpo", "rloo"):
         trace_rewards = rewards.float() + torch.zeros_like(rewards, dtype=torch.float32).index_add(
             0, row_trace, penalty.sum(-1))  # the trace's reward minus its summed KL penalty
-        if estimator == "grpo":
+        if estimator == "none":
+            per_trace = trace_rewards
+        elif estimator == "grpo":
             per_trace, _, _ = compute_group_normalized_rewards(
                 lambda reward, _: {"reward": reward}, trace_rewards.tolist(), [None] * len(trace_rewards), n,
                 args.advantage_eps, args.use_std_normalization)
@@ -194,9 +271,7 @@ def no_grad_rows(fn, model, rows, width: int, microbatch: int, autocast, collect
     was_training = model.training
     model.eval()
     out = torch.zeros(len(rows), width)
-    calls = -(-len(rows) // microbatch)
-    for call in range(distributed.even_out(calls) if collective else calls):
-        part = rows[call * microbatch:(call + 1) * microbatch]
+    for call, part in enumerate(distributed.microbatches(rows, microbatch, collective)):
         with autocast:
             if not part:
                 fn([[0]], [[0]])

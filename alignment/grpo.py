@@ -58,7 +58,13 @@ def compute_group_normalized_rewards(
         centered = einx.divide("(g n), g -> (g n)", centered, std + advantage_eps)
     # Exact zeros for all-equal groups: float round-off in the mean must not become a signal.
     advantages = einx.where("g, (g n), -> (g n)", spread > 0, centered, 0.0)
+    return advantages, raw_rewards, reward_metrics(raw_rewards, scores, group_size)
 
+
+def reward_metrics(raw_rewards: torch.Tensor, scores: list[dict], group_size: int) -> dict[str, float]:
+    """The reward mean/std/max/min over all responses, the fraction of groups whose rewards are all equal,
+    and the mean of every other key of the reward dicts `scores` (usually format_reward, answer_reward)."""
+    spread = einx.max("(g n) -> g", raw_rewards, n=group_size) - einx.min("(g n) -> g", raw_rewards, n=group_size)
     metadata = {
         "reward_mean": raw_rewards.mean().item(),
         "reward_std": raw_rewards.std(correction=0).item(),  # population std: defined for N = 1 too
@@ -69,7 +75,7 @@ def compute_group_normalized_rewards(
     for key in scores[0]:
         if key != "reward":
             metadata[f"{key}_mean"] = sum(float(s[key]) for s in scores) / len(scores)
-    return advantages, raw_rewards, metadata
+    return metadata
 
 
 def filter_groups(rewards: torch.Tensor, group_size: int, low: float | None = None,
@@ -204,6 +210,56 @@ def approx_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> to
     return kl_penalty(policy_log_probs, ref_log_probs, "k3")
 
 
+def loss_weights(
+    mode: str,
+    response_mask: torch.Tensor,
+    *,
+    num_rows: float,
+    num_tokens: float | None = None,
+    max_response_length: int | None = None,
+    trace_lengths: torch.Tensor | None = None,
+    num_traces: float | None = None,
+) -> torch.Tensor:
+    """Each row's weight (B,) in the train batch's loss: every aggregation mode is a per-row weight times the
+    row's masked token sum, loss = sum_r w_r * sum_t mask * loss (prime-rl's form). The counts are of the
+    whole train batch, so the weights are computed once per optimizer step and any split of the rows into
+    microbatches sums to the same loss. Rows with no response tokens get a finite weight (their sum is 0).
+
+    - seq-mean-token-mean: 1 / (len_r * num_rows): mean over a row's tokens, then over rows (the reference;
+      GRPO, DeepSeekMath eq. 3). Long responses get less weight per token.
+    - token-mean: 1 / num_tokens: one mean over every response token of the batch (DAPO section 3.3), so
+      long responses are not diluted.
+    - seq-mean-token-sum-norm: 1 / (max_response_length * num_rows): a constant normaliser (Dr. GRPO, Liu et
+      al. 2025, section 3.1); with normalize_by_std=False it removes both of GRPO's length and difficulty biases.
+    - trace-length: 1 / (trace_len * num_traces), where a trace spans several rows (Delethink chunks) and
+      `trace_lengths` (B,) is the response length of each row's whole trace: Delethink eq. 3,
+      (1/G) sum_traces (1/len(trace)) sum over the trace's rows and tokens.
+    """
+    lengths = response_mask.sum(-1).double()  # (B,); float64: the weighted sum cancels large terms
+    if mode == "seq-mean-token-mean":
+        return 1.0 / (lengths.clamp(min=1) * num_rows)
+    elif mode == "token-mean":
+        return torch.full_like(lengths, 1.0 / (num_tokens or 1))
+    elif mode == "seq-mean-token-sum-norm":
+        if max_response_length is None:
+            raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' needs max_response_length "
+                             "(Dr. GRPO's constant normaliser, e.g. the sampling max_tokens)")
+        return torch.full_like(lengths, 1.0 / (max_response_length * num_rows))
+    elif mode == "trace-length":
+        if trace_lengths is None or num_traces is None:
+            raise ValueError("loss_agg_mode 'trace-length' needs trace_lengths (B,), the response "
+                             "length of each row's whole trace, and num_traces in the train batch")
+        return 1.0 / (trace_lengths.to(lengths).clamp(min=1) * num_traces)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+
+
+def weighted_sum(per_token: torch.Tensor, mask: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+    """sum_r w_r * (masked sum of row r): a per-token loss (B, T) reduced with the weights of `loss_weights`
+    (in float64: positive and negative advantages make the terms cancel; the result has per_token's dtype)."""
+    row_sums = _masked_sum(per_token, mask.to(per_token.dtype), -1)  # (B,)
+    return (row_sums.double() * row_weights.to(row_sums.device, torch.float64)).sum().to(per_token.dtype)
+
+
 def aggregate_loss(
     per_token_loss: torch.Tensor,
     mask: torch.Tensor,
@@ -215,51 +271,22 @@ def aggregate_loss(
     trace_lengths: torch.Tensor | None = None,
     num_traces: int | None = None,
 ) -> torch.Tensor:
-    """Reduce a (B, T) per-token loss to this microbatch's scalar share of the train batch's loss.
+    """Reduce a (B, T) per-token loss to this microbatch's scalar share of the train batch's loss, when the
+    batch is `gradient_accumulation_steps` microbatches like this one (the reference's assumption: the row
+    count, and for token-mean without `num_tokens` the token count, is this microbatch's times that many).
+    Whole-batch counts (`num_tokens`, `num_traces`) are used as given. See `loss_weights` for the modes."""
+    weights = _accumulation_weights(mode, mask, gradient_accumulation_steps, max_response_length, num_tokens,
+                                    trace_lengths, num_traces)
+    return weighted_sum(per_token_loss, mask, weights)
 
-    Summing the results over the `gradient_accumulation_steps` microbatches of one optimizer step gives
-    the batch loss. The mean modes are divided by gradient_accumulation_steps, which is exact when the
-    microbatches have equal row counts (the reference's assumption); the modes whose normaliser is a
-    whole-batch count (`num_tokens`, `num_traces`) are exact for any split and are not divided.
-    Rows with no response tokens contribute 0 (their denominators are clamped to 1), never NaN.
 
-    - seq-mean-token-mean: mean over tokens per row, then over rows (the reference; GRPO, DeepSeekMath
-      eq. 3). Long responses get less weight per token.
-    - token-mean: one mean over every response token of the batch (DAPO section 3.3, token-level
-      policy-gradient loss): every token weighs the same, so long responses are not diluted.
-      `num_tokens` is the batch's total response-token count; without it, this microbatch's count times
-      gradient_accumulation_steps stands in (exact when microbatches hold equal token counts).
-    - seq-mean-token-sum-norm: per-row token sum divided by the constant `max_response_length`, then
-      mean over rows (Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training", section 3.1);
-      with normalize_by_std=False it removes both of
-      GRPO's length and difficulty biases.
-    - trace-length: (1/G) sum_traces (1/len(trace)) sum over the trace's rows and tokens (Delethink
-      eq. 3), where one trace spans several rows (chunks). `trace_lengths` (B,) is the total response
-      length of each row's trace, `num_traces` is G, the number of traces in the whole train batch. Each
-      row's term is its token sum / (trace length * G), so the formula is a plain sum over rows and
-      splits over microbatches in any way, even with a trace's rows in different microbatches.
-    """
-    mask = mask.to(per_token_loss.dtype)
-    row_sums = _masked_sum(per_token_loss, mask, -1)  # (B,)
-    if mode == "seq-mean-token-mean":
-        loss = (row_sums / mask.sum(-1).clamp(min=1)).mean() / gradient_accumulation_steps
-    elif mode == "token-mean":
-        if num_tokens is None:
-            num_tokens = mask.sum().clamp(min=1) * gradient_accumulation_steps
-        loss = row_sums.sum() / num_tokens
-    elif mode == "seq-mean-token-sum-norm":
-        if max_response_length is None:
-            raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' needs max_response_length "
-                             "(Dr. GRPO's constant normaliser, e.g. the sampling max_tokens)")
-        loss = (row_sums / max_response_length).mean() / gradient_accumulation_steps
-    elif mode == "trace-length":
-        if trace_lengths is None or num_traces is None:
-            raise ValueError("loss_agg_mode 'trace-length' needs trace_lengths (B,), the response "
-                             "length of each row's whole trace, and num_traces in the train batch")
-        loss = (row_sums / trace_lengths.to(row_sums).clamp(min=1)).sum() / num_traces
-    else:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
-    return loss
+def _accumulation_weights(mode, mask, gradient_accumulation_steps, max_response_length, num_tokens, trace_lengths,
+                          num_traces) -> torch.Tensor:
+    """`loss_weights` for a microbatch that is one of `gradient_accumulation_steps` alike."""
+    if mode == "token-mean" and num_tokens is None:
+        num_tokens = mask.sum().clamp(min=1).item() * gradient_accumulation_steps
+    return loss_weights(mode, mask, num_rows=mask.shape[0] * gradient_accumulation_steps, num_tokens=num_tokens,
+                        max_response_length=max_response_length, trace_lengths=trace_lengths, num_traces=num_traces)
 
 
 def _mean_over_mask(tensor: torch.Tensor, mask: torch.Tensor) -> float:
@@ -278,6 +305,56 @@ def sft_microbatch_train_step(policy_log_probs: torch.Tensor, response_mask: tor
     loss.backward()
     metadata = {"num_response_tokens": response_mask.sum().item(),
                 "mean_token_log_prob": _mean_over_mask(policy_log_probs.detach(), response_mask)}
+    return loss.detach(), metadata
+
+
+def policy_microbatch_train_step(
+    policy_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    row_weights: torch.Tensor,
+    advantages: torch.Tensor,
+    old_log_probs: torch.Tensor | None,
+    loss_type: str,
+    *,
+    cliprange: float | None = None,
+    cliprange_high: float | None = None,
+    ref_log_probs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    token_entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict]:
+    """One RL microbatch: per-token loss, optional KL penalty and entropy bonus, the weighted row sums of
+    `loss_weights`, backward(). Gradients accumulate in place across calls. `advantages` (B, 1) or (B, T)
+    are what the loss multiplies: for no_baseline the raw rewards themselves.
+
+    With `ref_log_probs` the mean KL to the reference policy (`kl_estimator` k1, k2 or k3) is reported,
+    and `kl_coef` * KL is added to every token's loss (GRPO, DeepSeekMath eq. 3; most recent recipes use
+    0). With `entropy_coef` > 0, `entropy_coef` * `token_entropy` (differentiable) is subtracted: an
+    entropy bonus (PPO, Schulman et al. 2017, eq. 9).
+
+    Returns (the loss that was backpropagated, detached; metadata with clip_fraction over response tokens
+    for the clipped losses, and kl when ref_log_probs is given).
+    """
+    if kl_coef and ref_log_probs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_log_probs from the frozen reference policy")
+    if entropy_coef and token_entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs token_entropy (with gradient)")
+    per_token_loss, loss_metadata = compute_policy_gradient_loss(
+        policy_log_probs, loss_type, advantages, advantages, old_log_probs, cliprange,
+        cliprange_high=cliprange_high, response_mask=response_mask)
+    metadata = {}
+    if entropy_coef:
+        per_token_loss = per_token_loss - entropy_coef * token_entropy
+    if ref_log_probs is not None:
+        kl = kl_penalty(policy_log_probs, ref_log_probs, kl_estimator)  # (B, T)
+        if kl_coef:
+            per_token_loss = per_token_loss + kl_coef * kl
+        metadata["kl"] = _mean_over_mask(kl.detach(), response_mask)
+    if "clipped" in loss_metadata:
+        metadata["clip_fraction"] = _mean_over_mask(loss_metadata["clipped"].float(), response_mask)
+    loss = weighted_sum(per_token_loss, response_mask, row_weights)
+    loss.backward()
     return loss.detach(), metadata
 
 
@@ -303,41 +380,19 @@ def grpo_microbatch_train_step(
     trace_lengths: torch.Tensor | None = None,
     num_traces: int | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """One RL microbatch: per-token loss, optional KL penalty, aggregation, backward().
+    """The reference's RL microbatch step (CS336): per-token loss, aggregation, backward(); returns (the
+    scaled loss, detached; metadata). With the defaults: per-sequence masked mean over tokens, then the
+    batch mean, divided by gradient_accumulation_steps. Gradients accumulate in place across calls.
 
-    With the defaults this is the reference: per-sequence masked mean over tokens, then the batch mean,
-    divided by gradient_accumulation_steps. Gradients accumulate in place across calls. The keyword-only
-    arguments select the extensions; see `aggregate_loss` for the modes and how each one splits over
-    microbatches (pass the whole train batch's `num_tokens` / `num_traces`, not the microbatch's).
-    With `ref_log_probs` the mean KL to the reference policy (`kl_estimator` k1, k2 or k3) is reported,
-    and `kl_coef` * KL is added to every token's loss (GRPO, DeepSeekMath eq. 3; most recent recipes use
-    0). With `entropy_coef` > 0, `entropy_coef` * `token_entropy` (differentiable) is subtracted: an
-    entropy bonus (PPO, Schulman et al. 2017, eq. 9).
-
-    Returns (the scaled loss that was backpropagated, detached; metadata with clip_fraction over
-    response tokens for grpo_clip, and kl when ref_log_probs is given).
+    A thin wrapper over `policy_microbatch_train_step` (what the RL loop calls, with weights computed once
+    per train batch): the row weights come from `aggregate_loss`'s rules (pass the whole train batch's
+    `num_tokens` / `num_traces`, not the microbatch's), and no_baseline multiplies `raw_rewards`.
     """
-    if kl_coef and ref_log_probs is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_log_probs from the frozen reference policy")
-    if entropy_coef and token_entropy is None:
-        raise ValueError(f"entropy_coef={entropy_coef} needs token_entropy (with gradient)")
-    per_token_loss, loss_metadata = compute_policy_gradient_loss(
-        policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange,
-        cliprange_high=cliprange_high, response_mask=response_mask)
-    metadata = {}
-    if entropy_coef:
-        per_token_loss = per_token_loss - entropy_coef * token_entropy
-    if ref_log_probs is not None:
-        kl = kl_penalty(policy_log_probs, ref_log_probs, kl_estimator)  # (B, T)
-        if kl_coef:
-            per_token_loss = per_token_loss + kl_coef * kl
-        metadata["kl"] = _mean_over_mask(kl.detach(), response_mask)
-    if "clipped" in loss_metadata:
-        metadata["clip_fraction"] = _mean_over_mask(loss_metadata["clipped"].float(), response_mask)
-
-    loss = aggregate_loss(per_token_loss, response_mask, loss_agg_mode,
-                          gradient_accumulation_steps=gradient_accumulation_steps,
-                          max_response_length=max_response_length, num_tokens=num_tokens,
-                          trace_lengths=trace_lengths, num_traces=num_traces)
-    loss.backward()
-    return loss.detach(), metadata
+    weights = _accumulation_weights(loss_agg_mode, response_mask, gradient_accumulation_steps, max_response_length,
+                                    num_tokens, trace_lengths, num_traces)
+    # the contract's no_baseline multiplies raw_rewards; the loop passes the raw rewards as its advantages
+    signal = raw_rewards if loss_type == "no_baseline" else advantages
+    return policy_microbatch_train_step(
+        policy_log_probs, response_mask, weights, None if signal is None else _per_row(signal), old_log_probs,
+        loss_type, cliprange=cliprange, cliprange_high=cliprange_high, ref_log_probs=ref_log_probs, kl_coef=kl_coef,
+        kl_estimator=kl_estimator, token_entropy=token_entropy, entropy_coef=entropy_coef)

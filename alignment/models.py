@@ -67,14 +67,22 @@ def train_precision(device: str | torch.device, bf16_weights: bool = False):
     return dtype, autocast
 
 
+def is_model_folder(path) -> bool:
+    """An HF-format model folder, or a run folder with a checkpoint (what `resolve_model` accepts as local)."""
+    return any((Path(path) / sub / "config.json").exists() for sub in ("checkpoint", "."))
+
+
 def resolve_model(name: str) -> str:
-    """Turn `--model` into something `from_pretrained` can read: a local directory or a hub id."""
+    """Turn `--model` into something `from_pretrained` can read: a local directory or a hub id. A run folder
+    (config.json of flags beside checkpoint/) stands for its last checkpoint."""
     if name in PACKAGED_MODELS:
         return str(convert_packaged_model(name))
     if os.path.isdir(name):
+        if os.path.exists(os.path.join(name, "checkpoint", "config.json")):
+            return os.path.join(name, "checkpoint")  # a run folder of alignment.sft or train_rl: its last checkpoint
         if not os.path.exists(os.path.join(name, "config.json")):
             raise MissingFileError(f"{name} is a directory but has no config.json; pass an HF-format "
-                                    f"model folder (e.g. one saved by alignment.sft) or a hub id.")
+                                    f"model folder, a run folder saved by alignment.sft or train_rl, or a hub id.")
         return name
     if name.startswith((".", "/")) or name.startswith("checkpoints"):
         raise MissingFileError(f"model folder {name} does not exist; train it first (e.g. "

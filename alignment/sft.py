@@ -3,7 +3,7 @@
     uv run -m alignment.sft                                    # smollm2-135m, GSM8K subset, ~20 min on 2 CPU cores
     uv run -m alignment.sft --max_examples 0 --epochs 2 --lr 2e-5 --eval_every 100   # full GSM8K train, GPU
     uv run -m alignment.sft --train_file traces.jsonl          # your own {"prompt", "response"} pairs
-    uv run -m alignment.sft --resume                           # continue from checkpoints/math_sft
+    uv run -m alignment.sft --resume checkpoints/math_sft      # continue a run after a crash (same flags)
 
 Each example is prompt = the r1_zero template filled with the question, response = the GSM8K worked
 solution with its calculator annotations (`<<48/2=24>>`) removed, then ` </think> <answer> {gold}
@@ -15,12 +15,10 @@ a stronger model on MATH; we use GSM8K's human-written solutions (no trace model
 CPU defaults use a higher learning rate and few steps so a laptop sees the format reward rise.
 """
 
-import json
 import math
 import random
 import re
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -31,11 +29,12 @@ from alignment.args import SFTArgs, parse
 from alignment.errors import MissingFileError, UserError, cli
 from alignment.evaluate import evaluate
 from alignment.grpo import sft_microbatch_train_step
+from alignment.run import Run
 from alignment.sampling import SamplingParams, WeightPush, make_sampler, pick_backend
 from alignment.tokens import get_response_log_probs, tokenize_prompt_and_output
 
 CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")  # GSM8K's `<<48/2=24>>`
-STATE_FILE = "trainer_state.pt"
+RESUMABLE_CHANGES = {"epochs"}  # flags a resumed run may change, besides the run folder's own (run.py)
 
 
 def gsm8k_sft_example(row: dict, template: str) -> dict:
@@ -92,32 +91,9 @@ def run_eval(model, sampler, tokenizer, rows, args: SFTArgs, autocast) -> tuple[
     return summary, records
 
 
-class MetricsLog:
-    """metrics.jsonl in the output folder. Kept in memory and in the trainer state too, because an atomic
-    checkpoint save replaces the whole folder: `rewrite()` puts the file back after each save, and a
-    resumed run starts from the lines saved with its checkpoint (later lines of a crashed run are dropped)."""
-
-    def __init__(self, out_dir: Path, lines: list[str], write: bool = True):
-        self.path, self.write = out_dir / "metrics.jsonl", write  # under torchrun only rank 0 writes
-        self.lines = list(lines)
-        self.rewrite()
-
-    def append(self, record: dict):
-        line = json.dumps(record)
-        self.lines.append(line)
-        if self.write:
-            with open(self.path, "a") as f:
-                f.write(line + "\n")
-
-    def rewrite(self):
-        if not self.write:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("".join(line + "\n" for line in self.lines))
-
-
 def main(args: SFTArgs) -> dict:
     # Under torchrun every rank trains on its share of each batch; rank 0 logs, evaluates and saves.
+    args.check()
     device = distributed.setup()
     world = distributed.world_size()
     if args.batch_size % (world * args.microbatch_size):
@@ -126,20 +102,13 @@ def main(args: SFTArgs) -> dict:
     if device and args.backend == "vllm":
         raise UserError("under torchrun SFT evaluates with HF on rank 0: use --backend hf (or auto), or run "
                         "without torchrun.")
-    say = print if distributed.is_main() else (lambda *a: None)
-    out_dir = Path(args.output_dir)
+    run = Run(args, args.output_dir, None if args.resume else args.model, RESUMABLE_CHANGES)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
     # Data: every step's batch is a function of (seed, step); see batch_indices.
-    with distributed.main_first():  # rank 0 completes a save that a crash cut off, then every rank looks
-        resumable = args.resume and (models.finish_interrupted_save(out_dir) / STATE_FILE).exists()
-    if args.resume and not resumable:
-        raise MissingFileError(f"--resume found no {STATE_FILE} in {out_dir}; run without --resume first "
-                               f"or point --output_dir at a folder this script saved.")
-    source = str(out_dir) if args.resume else args.model
     with distributed.main_first():  # rank 0 converts the packaged model first
-        tokenizer = models.load_tokenizer(source)
+        tokenizer = models.load_tokenizer(run.weights)
     examples = load_sft_examples(args, tokenizer)
     if len(examples) < args.batch_size:
         raise UserError(f"only {len(examples)} training examples, fewer than --batch_size {args.batch_size}.")
@@ -153,85 +122,51 @@ def main(args: SFTArgs) -> dict:
     roles = {"policy": [device]} if device else models.assign_device_roles(models.available_devices())
     input_device = roles["policy"][0]
     dtype, autocast = models.train_precision(input_device)
-    model = models.load_policy_model(source, roles["policy"], dtype)
+    model = models.load_policy_model(run.weights, roles["policy"], dtype)
     if input_device.startswith("cuda"):
         model.gradient_checkpointing_enable()
     if device:
         distributed.shard(model, device)
     model.train()
-
-    # Evaluation samples with the policy itself, or with its own copy (vLLM, or HF beside a sharded policy
-    # on rank 0; the other ranks only join the weight gathers).
-    backend = "hf" if device else pick_backend(args.backend, input_device)
-    if device and not distributed.is_main():
-        sampler = distributed.GatherOnly()
-    else:
-        eval_model = models.load_model(source, input_device) if device else model
-        sampler = make_sampler(backend, eval_model, tokenizer, models.resolve_model(source), input_device,
-                               batch_size=args.eval_batch_size, seed=args.seed, **args.vllm_options())
+    sampler = _eval_sampler(args, run, model, tokenizer, device, input_device)
     push = WeightPush(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps))
-    start_step, metric_lines = 0, []
-    if args.resume:
-        state = torch.load(out_dir / STATE_FILE, weights_only=False)
-        distributed.load_optimizer(out_dir / "optimizer", model, optimizer)
+    state = run.restore(model, optimizer)
+    if state:
         scheduler.load_state_dict(state["scheduler"])
-        start_step = state["step"]
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        metric_lines = state["metrics"]
-    log = MetricsLog(out_dir, metric_lines, write=distributed.is_main())
-    say(f"[sft] {source}: {len(examples)} examples x {args.epochs} epoch(s) = {total_steps} steps of "
-        f"{args.batch_size} ({world} process(es) x {accumulation} microbatches of {args.microbatch_size}), "
-        f"lr {args.lr:g}, warmup {warmup_steps}, policy on {', '.join(roles['policy'])}, starting at step {start_step}")
+    run.say(f"[sft] {run.weights}: {len(examples)} examples x {args.epochs} epoch(s) = {total_steps} steps of "
+            f"{args.batch_size} ({world} process(es) x {accumulation} microbatches of {args.microbatch_size}), "
+            f"lr {args.lr:g}, warmup {warmup_steps}, policy on {', '.join(roles['policy'])}, starting at step "
+            f"{run.start_step}; run folder {run.dir}")
 
-    def evaluate_and_log(step: int) -> dict | None:
-        push(sampler)  # every rank: gathering sharded weights is collective
+    def evaluate_and_log(step: int) -> dict | None:  # greedy, on rank 0; the others join the weight gather
+        push(sampler)
         summary = None
-        if distributed.is_main():
+        if run.main:
             summary, records = run_eval(model, sampler, tokenizer, eval_rows, args, autocast)
-            say(f"[eval] step {step} | format {summary['avg_format_rewards']:.3f} | answer "
-                f"{summary['avg_answer_rewards']:.3f} | reward {summary['avg_all_rewards']:.3f} | len "
-                f"{summary['mean_response_tokens']:.0f} | {summary['generation_s']:.0f}s")
-            log.append({"step": step, "eval": summary, "samples": records[:3]})
+            run.say(f"[eval] step {step} | format {summary['avg_format_rewards']:.3f} | answer "
+                    f"{summary['avg_answer_rewards']:.3f} | reward {summary['avg_all_rewards']:.3f} | len "
+                    f"{summary['mean_response_tokens']:.0f} | {summary['generation_s']:.0f}s")
+            run.log({"step": step, "eval": summary})
+            run.log_rollouts(step, records[:3])
         distributed.barrier()
         return summary
 
-    def save(step: int):
-        state = {"scheduler": scheduler.state_dict(), "step": step,
-                 "epoch": step * args.batch_size / len(examples), "examples_seen": step * args.batch_size,
-                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "metrics": log.lines}
-        models.save_checkpoint(model, tokenizer, out_dir, config=asdict(args), extra={STATE_FILE: state},
-                               optimizer=optimizer)
-        log.rewrite()
-
-    first_eval = evaluate_and_log(start_step) if start_step == 0 else None
-    last_eval = first_eval
+    first_eval = evaluate_and_log(0) if run.start_step == 0 else None
+    last_eval, record = first_eval, None
     start_time = time.perf_counter()
-    bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, desc="sft", unit="step",
-               disable=not distributed.is_main())
+    bar = tqdm(range(run.start_step, total_steps), initial=run.start_step, total=total_steps, desc="sft", unit="step",
+               disable=not run.main)
     for step in bar:
         step_start = time.perf_counter()
         batch = [examples[i] for i in batch_indices(step, len(examples), args.batch_size, args.seed)]
         batch.sort(key=lambda e: len(e["prompt"]) + len(e["response"]))  # less padding per microbatch
         batch = batch[distributed.rank()::world]  # this rank's share (all of it in one process)
         optimizer.zero_grad(set_to_none=True)
-        nll, n_response_tokens, n_tokens = 0.0, 0, 0
-        for i in range(0, len(batch), args.microbatch_size):
-            micro = batch[i:i + args.microbatch_size]
-            tokens = tokenize_prompt_and_output([e["prompt"] for e in micro],
-                                                [e["response"] + tokenizer.eos_token for e in micro], tokenizer)
-            input_ids, labels = tokens["input_ids"].to(input_device), tokens["labels"].to(input_device)
-            mask = tokens["response_mask"].to(input_device)
-            with autocast:
-                log_probs = get_response_log_probs(model, input_ids, labels)["log_probs"]  # (B, T)
-            _, meta = sft_microbatch_train_step(log_probs, mask, accumulation)
-            nll -= (log_probs.detach() * mask).sum().item()
-            n_response_tokens += int(meta["num_response_tokens"])
-            n_tokens += input_ids.numel()
+        counts = accumulate_gradients(model, tokenizer, batch, args.microbatch_size, accumulation, input_device, autocast)
         grad_norm = distributed.grad_norm_and_clip(model, args.max_grad_norm)
-        nll, n_response_tokens, n_tokens = (distributed.global_sum(x) for x in (nll, n_response_tokens, n_tokens))
+        nll, n_response_tokens, n_tokens = distributed.global_sums(counts)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -239,20 +174,52 @@ def main(args: SFTArgs) -> dict:
         seconds = time.perf_counter() - step_start
         record = {"step": step + 1, "loss": nll / max(n_response_tokens, 1), "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": n_tokens / seconds, "response_tokens": n_response_tokens, "seconds": seconds}
-        log.append(record)
-        say(f"step {step + 1}/{total_steps} | loss {record['loss']:.3f} | lr {lr:.1e} | grad "
-                   f"{grad_norm:.2f} | tok/s {record['tokens_per_s']:.0f} | {seconds:.1f}s")
+        run.log(record)
+        run.say(f"step {step + 1}/{total_steps} | loss {record['loss']:.3f} | lr {lr:.1e} | grad "
+                f"{grad_norm:.2f} | tok/s {record['tokens_per_s']:.0f} | {seconds:.1f}s")
         done = step + 1 == total_steps
         if done or (args.eval_every and (step + 1) % args.eval_every == 0):
             last_eval = evaluate_and_log(step + 1)
         if done or (args.save_every and (step + 1) % args.save_every == 0):
-            save(step + 1)
+            run.save(step + 1, model, tokenizer, optimizer, {"scheduler": scheduler.state_dict(),
+                                                             "examples_seen": (step + 1) * args.batch_size})
     bar.close()
     elapsed = time.perf_counter() - start_time
-    say(f"[sft] {total_steps - start_step} steps in {elapsed:.0f}s; saved {out_dir}"
-          f" (evaluate with `uv run -m alignment.evaluate --model {out_dir}`)")
-    return {"steps": total_steps, "start_step": start_step, "first_eval": first_eval, "last_eval": last_eval,
-            "last_loss": record["loss"] if total_steps > start_step else None, "train_seconds": elapsed}
+    run.say(f"[sft] {total_steps - run.start_step} steps in {elapsed:.0f}s; saved {run.checkpoint} (evaluate with "
+            f"`uv run -m alignment.evaluate --model {run.dir}`)")
+    return {"steps": total_steps, "start_step": run.start_step, "first_eval": first_eval, "last_eval": last_eval,
+            "last_loss": record and record["loss"], "train_seconds": elapsed, "run_dir": str(run.dir)}
+
+
+def accumulate_gradients(model, tokenizer, examples: list[dict], microbatch_size: int, accumulation: int,
+                         device: str, autocast) -> list[float]:
+    """Forward (under `autocast`) and backward over `examples` in microbatches (`sft_microbatch_train_step`,
+    gradients accumulate); returns [summed negative log-likelihood, response tokens, all tokens]."""
+    nll, n_response_tokens, n_tokens = 0.0, 0, 0
+    for i in range(0, len(examples), microbatch_size):
+        micro = examples[i:i + microbatch_size]
+        tokens = tokenize_prompt_and_output([e["prompt"] for e in micro],
+                                            [e["response"] + tokenizer.eos_token for e in micro], tokenizer)
+        input_ids, labels = tokens["input_ids"].to(device), tokens["labels"].to(device)
+        mask = tokens["response_mask"].to(device)
+        with autocast:
+            log_probs = get_response_log_probs(model, input_ids, labels)["log_probs"]  # (B, T)
+        _, meta = sft_microbatch_train_step(log_probs, mask, accumulation)
+        nll -= (log_probs.detach() * mask).sum().item()
+        n_response_tokens += int(meta["num_response_tokens"])
+        n_tokens += input_ids.numel()
+    return [nll, n_response_tokens, n_tokens]
+
+
+def _eval_sampler(args: SFTArgs, run: Run, model, tokenizer, device: str, input_device: str):
+    """Evaluation samples with the policy itself, or with its own copy (vLLM, or HF beside a sharded policy
+    on rank 0; the other ranks only join the weight gathers)."""
+    if device and not run.main:
+        return distributed.GatherOnly()
+    backend = "hf" if device else pick_backend(args.backend, input_device)
+    eval_model = models.load_model(run.weights, input_device) if device else model
+    return make_sampler(backend, eval_model, tokenizer, models.resolve_model(run.weights), input_device,
+                        batch_size=args.eval_batch_size, seed=args.seed, **args.vllm_options())
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from alignment import models
 from alignment.args import DEFAULT_RL_TASK
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +127,7 @@ def main():
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    if not (ROOT / "checkpoints" / "math_sft" / "config.json").exists():
+    if not models.is_model_folder(ROOT / "checkpoints" / "math_sft"):
         parser.error("checkpoints/math_sft does not exist: run `uv run -m alignment.sft` first")
     budget, budget_text = BUDGETS["quick" if args.quick else "full"]
     out = Path(args.out or ROOT / "outputs" / ("ablations-quick" if args.quick else "ablations"))

@@ -74,7 +74,7 @@ def run_ours(args, question_dir: Path, round_index: int) -> list[dict]:
     rl_args.check()
     train_rl.main(rl_args)
     steps = []
-    for m in train_rl._read_jsonl(run_dir / "metrics.jsonl"):
+    for m in map(json.loads, open(run_dir / "metrics.jsonl")):
         seconds = {k[len("seconds_"):]: v for k, v in m.items() if k.startswith("seconds_")}
         steps.append({"total": sum(seconds.values()), "generate": seconds["sample"], "score": seconds["score"],
                       "train": seconds["train"] + seconds["sync"], "tokens": m["response_tokens"] * args.group_size})
@@ -121,12 +121,13 @@ def main():
     torch.set_num_threads(args.threads)
     python = trl_python(Path(args.trl_venv))
 
-    # A data folder holding only the chosen question, as the train split our loop reads.
-    raw = data.read_jsonl(Path(args.data_dir) / "gsm8k" / "test.jsonl", ("question", "answer"))[args.question]
+    # A data folder holding only the chosen question, as the train split our loop reads. Its test split (never
+    # evaluated: eval_every 0) holds the next question: the loop leaves evaluation questions out of training.
+    raw = data.read_jsonl(Path(args.data_dir) / "gsm8k" / "test.jsonl", ("question", "answer"))
     question_dir = WORK / "data"
     (question_dir / "gsm8k").mkdir(parents=True, exist_ok=True)
-    for split in ("train", "test"):
-        (question_dir / "gsm8k" / f"{split}.jsonl").write_text(json.dumps(raw) + "\n")
+    for split, index in (("train", args.question), ("test", args.question + 1)):
+        (question_dir / "gsm8k" / f"{split}.jsonl").write_text(json.dumps(raw[index]) + "\n")
     row = data.load_gsm8k("train", str(question_dir))[0]
     tokenizer = models.load_tokenizer(args.model)
     [prompt], [prompt_ids] = build_prompts(tokenizer, [row], "r1_zero")

@@ -12,6 +12,8 @@ import torch
 
 from alignment import models
 
+pytestmark = pytest.mark.slow  # each starts torchrun (2 processes on gloo): run by CI, skipped by `-m "not slow"`
+
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 
@@ -126,8 +128,8 @@ def test_two_process_sft_checkpoints_and_resumes(tiny_model_dir, data_dir, tmp_p
     run({"script": "sft", "args": args}, 2, tmp_path)  # 2 steps of 4 examples, 2 per rank
     lines = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
     assert [r["step"] for r in lines if "loss" in r] == [1, 2]  # written once, by rank 0
-    assert (tmp_path / "sft" / "optimizer").is_dir()
-    run({"script": "sft", "args": {**args, "epochs": 2, "resume": True}}, 2, tmp_path)  # a second epoch
+    assert (tmp_path / "sft" / "checkpoint" / "optimizer").is_dir()
+    run({"script": "sft", "args": {**args, "epochs": 2, "resume": str(tmp_path / "sft")}}, 2, tmp_path)  # a second epoch
     lines = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
     assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4]
 

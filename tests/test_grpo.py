@@ -7,8 +7,9 @@ import torch
 
 from alignment.grpo import (LOSS_AGG_MODES, aggregate_loss, approx_kl, compute_grpo_clip_loss,
                             compute_group_normalized_rewards, compute_naive_policy_gradient_loss,
-                            compute_policy_gradient_loss, filter_groups, grpo_microbatch_train_step,
-                            masked_mean, masked_normalize, sft_microbatch_train_step)
+                            compute_policy_gradient_loss, filter_groups, grpo_microbatch_train_step, loss_weights,
+                            masked_mean, masked_normalize, policy_microbatch_train_step, sft_microbatch_train_step,
+                            weighted_sum)
 
 
 def exact_match_reward(response, ground_truth):
@@ -277,6 +278,59 @@ def test_microbatches_accumulate_to_the_big_batch_gradient(mode):
     torch.testing.assert_close(logp.grad, big_grad)
     assert big_loss == pytest.approx(loop_aggregate(
         compute_grpo_clip_loss(adv, logp.detach(), old, 0.2)[0], mask, mode, 10, trace_of_row), rel=1e-5)
+
+
+@pytest.mark.parametrize("mode, kwargs, expected", [
+    ("seq-mean-token-mean", {}, [1 / (2 * 3), 1 / (1 * 3), 1 / 3]),  # 1 / (len_r * rows), len clamped to 1
+    ("token-mean", {"num_tokens": 3}, [1 / 3] * 3),
+    ("seq-mean-token-sum-norm", {"max_response_length": 4}, [1 / (4 * 3)] * 3),
+    ("trace-length", {"trace_lengths": torch.tensor([3, 3, 0]), "num_traces": 2}, [1 / 6, 1 / 6, 1 / 2]),
+])
+def test_loss_weights_by_hand(mode, kwargs, expected):
+    weights = loss_weights(mode, MASK, num_rows=3, **kwargs)
+    torch.testing.assert_close(weights, torch.tensor(expected, dtype=torch.float64))
+    assert weighted_sum(LOSS, MASK, weights).item() == pytest.approx(aggregate_loss(LOSS, MASK, mode, **kwargs).item())
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_weights_computed_once_make_any_microbatch_split_exact(mode):
+    """The loop's step: weights from the whole train batch's counts, then microbatches of uneven sizes (the
+    reference's gradient_accumulation_steps division is exact only for equal ones) sum to the batch's
+    loss and gradient, and equal the hand-written loop over the batch."""
+    _, mask, trace_of_row = random_batch(5)
+    g = torch.Generator().manual_seed(6)
+    logp = (-torch.rand(mask.shape, generator=g) * 3).requires_grad_()
+    old = logp.detach() + 0.3 * torch.randn(mask.shape, generator=g)
+    adv = torch.randn(mask.shape[0], 1, generator=g)
+    counts = trace_arguments(mask, trace_of_row)
+    weights = loss_weights(mode, mask, num_rows=mask.shape[0], **counts)
+
+    def step(rows):
+        loss, _ = policy_microbatch_train_step(logp[rows], mask[rows], weights[rows], adv[rows], old[rows],
+                                               "grpo_clip", cliprange=0.2)
+        return loss.item()
+    big_loss = step(list(range(8)))
+    big_grad, logp.grad = logp.grad.clone(), None
+    parts = [[0], [1, 2, 3], [4, 5, 6, 7]]  # uneven, and traces straddle them
+    assert sum(step(rows) for rows in parts) == pytest.approx(big_loss, rel=1e-6)
+    torch.testing.assert_close(logp.grad, big_grad)
+    per_token = compute_grpo_clip_loss(adv, logp.detach(), old, 0.2)[0]
+    assert big_loss == pytest.approx(loop_aggregate(per_token, mask, mode, 10, trace_of_row), rel=1e-6)
+
+
+def test_the_loop_step_equals_the_reference_step():
+    adv, logp, old = clip_case()
+    logp.requires_grad_()
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    reference, _ = grpo_microbatch_train_step(logp, mask, 2, "grpo_clip", None, adv, old, 0.2)
+    loop, _ = policy_microbatch_train_step(logp, mask, loss_weights("seq-mean-token-mean", mask, num_rows=4), adv, old,
+                                           "grpo_clip", cliprange=0.2)
+    assert loop.item() == pytest.approx(reference.item())
+    rewards = torch.tensor([[2.0], [-1.0]])  # no_baseline: the contract's raw_rewards are the loop's advantages
+    reference, _ = grpo_microbatch_train_step(logp, mask, 1, "no_baseline", rewards, advantages=torch.zeros(2, 1))
+    loop, _ = policy_microbatch_train_step(logp, mask, loss_weights("seq-mean-token-mean", mask, num_rows=2), rewards,
+                                           None, "no_baseline")
+    assert loop.item() == pytest.approx(reference.item()) != 0
 
 
 # ---- train steps ----------------------------------------------------------------------------------

