@@ -100,8 +100,8 @@ def main(args: RLArgs) -> dict:
              models.assign_device_roles(models.available_devices(), args.sample_device, args.reference_model_device,
                                         args.eval_device, args.critic_device))
     backend = pick_backend("hf" if device and args.backend == "auto" else args.backend, roles["sample"])
-    run.say(f"[train_rl] {args.loss_type} on advantages {args.advantage_estimator}"
-            f"{' (the raw reward)' if args.advantage_estimator == 'none' else ''} on {args.dataset} from {run.weights}; "
+    run.say(f"[train_rl] {args.loss_type} loss, {args.advantage_estimator} advantages"
+            f"{' (the raw reward)' if args.advantage_estimator == 'none' else ''}, on {args.dataset} from {run.weights}; "
             f"devices {roles}; sampler {backend}; {distributed.world_size()} process(es); run folder {run.dir}")
     if args.sampling_top_p < 1:
         run.say(f"[train_rl] warning: --sampling_top_p {args.sampling_top_p} samples from the nucleus but the loss "
