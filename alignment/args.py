@@ -85,10 +85,16 @@ class SamplerArgs:
     kv_cache_gib: int | None = arg(None, "vLLM on CPU: whole GiB of KV cache (default: $VLLM_CPU_KVCACHE_SPACE, else 4; unset, vLLM would take most of the free memory)")
     vllm_enforce_eager: bool = arg(False, "vLLM: skip torch.compile and graph capture (starts in seconds, decodes ~3x slower on CPU)")
     vllm_max_model_len: int | None = arg(None, "vLLM: longest prompt + response it must hold (default: the model's)")
+    precision: str = arg("auto", "auto, fp32 or bf16 compute (training keeps fp32 master weights and AdamW states); auto: bf16 on a GPU with bf16 and on a CPU that reports AVX512-BF16 or AMX, else fp32")
 
     def vllm_options(self) -> dict:
         return {"gpu_memory_utilization": self.gpu_memory_utilization, "kv_cache_gib": self.kv_cache_gib,
-                "enforce_eager": self.vllm_enforce_eager, "max_model_len": self.vllm_max_model_len}
+                "enforce_eager": self.vllm_enforce_eager, "max_model_len": self.vllm_max_model_len,
+                "precision": self.precision}
+
+    def check_sampler(self):
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"--precision {self.precision!r} is not one of auto, fp32, bf16.")
 
 
 @dataclass
@@ -113,6 +119,7 @@ class EvalArgs(SamplerArgs, RolloutArgs):
 
     def check(self):
         self.check_rollout()
+        self.check_sampler()
         if self.n_samples < 1:
             raise ValueError("--n_samples must be at least 1.")
         if self.n_samples > 1 and self.temperature == 0:
@@ -155,6 +162,9 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
     kl_estimator: str = arg("k3", "KL estimator: k1 (log-ratio), k2 (half squared log-ratio) or k3 (exp(r) - r - 1, GRPO's)")
     kl_in_reward: bool = arg(False, "subtract kl_coef * KL from each token's reward (PPO, REINFORCE++) instead of adding it to the loss")
     entropy_coef: float = arg(0.0, "entropy bonus: subtract this times the token entropy from the loss")
+    rollout_is: str = arg("truncate", "rollout correction: weigh each token's policy-gradient term by old-policy / sampler probability, from the sampler's own log-probs: truncate (TIS: min(ratio, C), the Delethink recipe), mask (MIS: 0 outside [1/C, C]) or none. The default changes nothing where sampler and learner agree (ratio 1 +- 1e-5 in fp32 here) and bounds the correction where they do not (bf16, another kernel)")
+    rollout_is_level: str = arg("token", "rollout correction per token or per sequence (the ratio of the whole row)")
+    rollout_is_threshold: float = arg(2.0, "rollout correction's C (> 1)")
     critic_model: str | None = arg(None, "gae: the critic's starting weights (default: the policy's starting model) and a zero value head")
     critic_device: str | None = arg(None, "gae: device of the critic (default: the reference model's)")
     critic_learning_rate: float = arg(1e-5, "gae: the critic's AdamW learning rate")
@@ -181,13 +191,14 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
     sample_device: str | None = arg(None, "device of the sampler (default: see models.assign_device_roles)")
     reference_model_device: str | None = arg(None, "device of the frozen reference model")
     eval_device: str | None = arg(None, "device of periodic evaluation")
-    bf16_weights: bool = arg(False, "GPU: keep the policy's parameters and AdamW state in bf16 (half the memory; small updates round away). Default: fp32 master weights, bf16 autocast")
+    bf16_weights: bool = arg(False, "GPU with bf16 precision: keep the policy's parameters and AdamW state in bf16 (half the memory; small updates round away). Default: fp32 master weights, bf16 autocast")
     sample_batch_size: int = arg(64, "HF sampler: sequences per generation batch")
     output_dir: str | None = arg(None, "run folder (default checkpoints/rl/<loss_type>-<time>): config.json, metrics.jsonl, rollouts.jsonl, checkpoint/")
 
     def check(self):
         self.check_rollout()
         self.check_run()
+        self.check_sampler()
         if self.loss_type not in ("no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo"):
             raise ValueError(f"--loss_type {self.loss_type!r} is not one of no_baseline, reinforce_with_baseline, grpo_clip, gspo.")
         estimators = ("grpo", "rloo", *TOKEN_LEVEL_ESTIMATORS, "none")
@@ -205,6 +216,12 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
         if not 0 <= self.sampling_min_tokens <= self.sampling_max_tokens:
             raise ValueError(f"--sampling_min_tokens {self.sampling_min_tokens} must be between 0 and "
                              f"--sampling_max_tokens ({self.sampling_max_tokens}).")
+        if self.rollout_is not in ("none", "truncate", "mask") or self.rollout_is_level not in ("token", "sequence"):
+            raise ValueError(f"--rollout_is {self.rollout_is!r} must be none, truncate or mask, and --rollout_is_level "
+                             f"{self.rollout_is_level!r} token or sequence.")
+        if self.rollout_is != "none" and self.rollout_is_threshold <= 1:
+            raise ValueError(f"--rollout_is_threshold {self.rollout_is_threshold} must be above 1 (a ratio of 1 means "
+                             f"sampler and learner agree).")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"--kl_estimator {self.kl_estimator!r} is not one of k1, k2, k3.")
         if self.kl_in_reward and self.kl_coef <= 0:
@@ -272,6 +289,7 @@ class SFTArgs(RunArgs, SamplerArgs):
 
     def check(self):
         self.check_run()
+        self.check_sampler()
         if self.microbatch_size < 1 or self.batch_size % self.microbatch_size:
             raise ValueError(f"--batch_size {self.batch_size} must be a positive multiple of --microbatch_size "
                              f"{self.microbatch_size}; change one of them.")

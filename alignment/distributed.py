@@ -120,12 +120,12 @@ def _to_backend(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.cuda() if dist.get_backend() == "nccl" else tensor
 
 
-def shard(model, device: str):
-    """FSDP2: `fully_shard` each decoder layer, then the root (gradients averaged over ranks). On GPU,
-    bf16 compute with fp32 parameters and fp32 gradient reduction."""
+def shard(model, device: str, bf16: bool = True):
+    """FSDP2: `fully_shard` each decoder layer, then the root (gradients averaged over ranks). On GPU with
+    `bf16`, bf16 compute with fp32 parameters and fp32 gradient reduction (on CPU, autocast does the bf16)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.startswith("cuda") else MixedPrecisionPolicy()
+        if device.startswith("cuda") and bf16 else MixedPrecisionPolicy()
     for layer in model.get_decoder().layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)

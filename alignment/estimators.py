@@ -179,3 +179,44 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mas
     v, r = values[mask].float(), returns[mask].float()
     var = r.var(correction=0)
     return (1 - (r - v).var(correction=0) / var).item() if var > 0 else float("nan")
+
+
+ROLLOUT_IS_MODES = ("none", "truncate", "mask")
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+
+
+def compute_rollout_is_weights(old_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor,
+                               response_mask: torch.Tensor, mode: str, level: str,
+                               threshold: float) -> tuple[torch.Tensor, dict]:
+    """Rollout correction: importance weights (B, T) of the learner's old policy against the behaviour
+    policy, the sampler that actually drew the tokens (its own log-probs: another kernel, bf16, an older
+    weight version). The policy-gradient loss of each token is multiplied by its weight.
+
+    ratio = exp(old - sampler) per token (`level` token), or exp of the masked sum of that difference over
+    the row, on each of its tokens (`level` sequence); computed in log space, so nothing overflows.
+    `mode` truncate: min(ratio, threshold) (truncated IS, "TIS"; the Delethink recipe uses 2); mask: 1 where
+    1/threshold <= ratio <= threshold, else 0 ("MIS"); none: 1. Weights are detached, 0 where the mask is 0,
+    and finite whatever a masked position holds (inf, NaN). Metrics over the response tokens:
+    rollout_is_weight_mean and rollout_is_clipped_fraction (the share truncated or masked)."""
+    if mode not in ROLLOUT_IS_MODES or level not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"rollout correction mode {mode!r} / level {level!r}: choose a mode of "
+                         f"{', '.join(ROLLOUT_IS_MODES)} and a level of {', '.join(ROLLOUT_IS_LEVELS)}")
+    if threshold <= 1 and mode != "none":
+        raise ValueError(f"the rollout correction threshold must be above 1, got {threshold}")
+    mask = response_mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    log_ratio = torch.where(mask, old_log_probs.detach().float() - sampler_log_probs.float(), zero)  # (B, T)
+    if level == "sequence":
+        log_ratio = torch.where(mask, log_ratio.sum(-1, keepdim=True).expand_as(log_ratio), zero)
+    limit = math.log(threshold) if mode != "none" else math.inf
+    if mode == "truncate":
+        weights, cut = torch.exp(log_ratio.clamp(max=limit)), log_ratio > limit
+    elif mode == "mask":
+        cut = log_ratio.abs() > limit
+        weights = torch.where(cut, zero, torch.ones_like(log_ratio))
+    else:
+        weights, cut = torch.ones_like(log_ratio), torch.zeros_like(mask)
+    weights = torch.where(mask, weights, zero)
+    tokens = mask.sum().clamp(min=1)
+    return weights, {"rollout_is_weight_mean": (weights.sum() / tokens).item(),
+                     "rollout_is_clipped_fraction": ((cut & mask).sum() / tokens).item()}

@@ -124,10 +124,11 @@ def main(args: EvalArgs) -> dict:
     why = " (the CPU default; --limit 0 evaluates all)" if args.limit is None and limit else ""
     decoding = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, top_p {args.top_p}"
     print(f"[evaluate] {args.model} on {args.dataset} {args.split}: {len(subset)} of {len(rows)} problems{why}, "
-          f"{args.prompt} prompt, {decoding}, n={args.n_samples}, max {args.max_tokens} tokens, {backend} on {device}")
+          f"{args.prompt} prompt, {decoding}, n={args.n_samples}, max {args.max_tokens} tokens, {backend} on {device}, "
+          f"precision {models.resolve_precision(args.precision, device)} ({args.precision})")
     torch.manual_seed(args.seed)
     tokenizer = models.load_tokenizer(args.model)
-    model = models.load_model(args.model, device) if backend == "hf" else None
+    model = models.load_model(args.model, device, models.default_dtype(device, args.precision)) if backend == "hf" else None
     sampler = make_sampler(backend, model, tokenizer, models.resolve_model(args.model), device,
                            batch_size=args.batch_size, seed=args.seed, progress=True, **args.vllm_options())
     params = SamplingParams(n=args.n_samples, temperature=args.temperature, top_p=args.top_p,

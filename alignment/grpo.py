@@ -323,10 +323,13 @@ def policy_microbatch_train_step(
     kl_estimator: str = "k3",
     token_entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """One RL microbatch: per-token loss, optional KL penalty and entropy bonus, the weighted row sums of
     `loss_weights`, backward(). Gradients accumulate in place across calls. `advantages` (B, 1) or (B, T)
-    are what the loss multiplies: for no_baseline the raw rewards themselves.
+    are what the loss multiplies: for no_baseline the raw rewards themselves. `rollout_is_weights` (B, T,
+    detached; `estimators.compute_rollout_is_weights`) multiply each token's policy-gradient term: the
+    correction for a sampler whose distribution differs from the learner's old policy.
 
     With `ref_log_probs` the mean KL to the reference policy (`kl_estimator` k1, k2 or k3) is reported,
     and `kl_coef` * KL is added to every token's loss (GRPO, DeepSeekMath eq. 3; most recent recipes use
@@ -343,6 +346,8 @@ def policy_microbatch_train_step(
     per_token_loss, loss_metadata = compute_policy_gradient_loss(
         policy_log_probs, loss_type, advantages, advantages, old_log_probs, cliprange,
         cliprange_high=cliprange_high, response_mask=response_mask)
+    if rollout_is_weights is not None:
+        per_token_loss = per_token_loss * rollout_is_weights.detach()
     metadata = {}
     if entropy_coef:
         per_token_loss = per_token_loss - entropy_coef * token_entropy

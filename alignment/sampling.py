@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from alignment import distributed
+from alignment import distributed, models
 from alignment.errors import UserError
 
 
@@ -242,7 +242,7 @@ class VLLMSampler:
 
     def __init__(self, model_path: str, device: str = "cuda", gpu_memory_utilization: float = 0.85,
                  kv_cache_gib: int | None = None, max_model_len: int | None = None, seed: int = 0,
-                 dtype: str | None = None, enforce_eager: bool = False, progress: bool = False):
+                 precision: str = "auto", enforce_eager: bool = False, progress: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         on_gpu = torch.device(device).type == "cuda"
         if not on_gpu:  # read when the engine starts; unset, vLLM 0.32 takes most of the free memory
@@ -257,7 +257,8 @@ class VLLMSampler:
         options = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {"enable_chunked_prefill": False}
         if distributed.launched():
             options["distributed_executor_backend"] = "external_launcher"
-        self.llm = LLM(model=model_path, dtype=dtype or ("bfloat16" if on_gpu else "float32"), seed=seed,
+        dtype = "bfloat16" if models.resolve_precision(precision, device) == "bf16" else "float32"
+        self.llm = LLM(model=model_path, dtype=dtype, seed=seed,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
                        logprobs_mode="processed_logprobs", **options)
 

@@ -121,12 +121,12 @@ def main(args: SFTArgs) -> dict:
     # torchrun). fp32 master weights; on GPU the forward runs in bf16 with gradient checkpointing.
     roles = {"policy": [device]} if device else models.assign_device_roles(models.available_devices())
     input_device = roles["policy"][0]
-    dtype, autocast = models.train_precision(input_device)
+    dtype, autocast = models.train_precision(input_device, args.precision)
     model = models.load_policy_model(run.weights, roles["policy"], dtype)
     if input_device.startswith("cuda"):
         model.gradient_checkpointing_enable()
     if device:
-        distributed.shard(model, device)
+        distributed.shard(model, device, bf16=models.resolve_precision(args.precision, device) == "bf16")
     model.train()
     sampler = _eval_sampler(args, run, model, tokenizer, device, input_device)
     push = WeightPush(model)
@@ -137,7 +137,8 @@ def main(args: SFTArgs) -> dict:
         scheduler.load_state_dict(state["scheduler"])
     run.say(f"[sft] {run.weights}: {len(examples)} examples x {args.epochs} epoch(s) = {total_steps} steps of "
             f"{args.batch_size} ({world} process(es) x {accumulation} microbatches of {args.microbatch_size}), "
-            f"lr {args.lr:g}, warmup {warmup_steps}, policy on {', '.join(roles['policy'])}, starting at step "
+            f"lr {args.lr:g}, warmup {warmup_steps}, policy on {', '.join(roles['policy'])}, precision "
+            f"{models.resolve_precision(args.precision, input_device)} ({args.precision}), starting at step "
             f"{run.start_step}; run folder {run.dir}")
 
     def evaluate_and_log(step: int) -> dict | None:  # greedy, on rank 0; the others join the weight gather
@@ -217,7 +218,8 @@ def _eval_sampler(args: SFTArgs, run: Run, model, tokenizer, device: str, input_
     if device and not run.main:
         return distributed.GatherOnly()
     backend = "hf" if device else pick_backend(args.backend, input_device)
-    eval_model = models.load_model(run.weights, input_device) if device else model
+    eval_model = (models.load_model(run.weights, input_device, models.default_dtype(input_device, args.precision))
+                  if device else model)
     return make_sampler(backend, eval_model, tokenizer, models.resolve_model(run.weights), input_device,
                         batch_size=args.eval_batch_size, seed=args.seed, **args.vllm_options())
 

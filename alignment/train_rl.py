@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from alignment import data, distributed, models, tir
 from alignment.args import RLArgs, parse
 from alignment.errors import UserError, cli
-from alignment.estimators import compute_value_loss
+from alignment.estimators import compute_rollout_is_weights, compute_value_loss
 from alignment.evaluate import PROMPT_SETTINGS, evaluate
 from alignment.experience import Experience, build_experience, collect_rollouts
 from alignment.grpo import policy_microbatch_train_step, weighted_sum
@@ -102,7 +102,8 @@ def main(args: RLArgs) -> dict:
     backend = pick_backend("hf" if device and args.backend == "auto" else args.backend, roles["sample"])
     run.say(f"[train_rl] {args.loss_type} loss, {args.advantage_estimator} advantages"
             f"{' (the raw reward)' if args.advantage_estimator == 'none' else ''}, on {args.dataset} from {run.weights}; "
-            f"devices {roles}; sampler {backend}; {distributed.world_size()} process(es); run folder {run.dir}")
+            f"devices {roles}; sampler {backend}; precision {models.resolve_precision(args.precision, roles['policy'][0])}"
+            f" ({args.precision}); {distributed.world_size()} process(es); run folder {run.dir}")
     if args.sampling_top_p < 1:
         run.say(f"[train_rl] warning: --sampling_top_p {args.sampling_top_p} samples from the nucleus but the loss "
                 f"scores the full softmax at T={args.sampling_temperature}: the policy gradient is biased.")
@@ -198,26 +199,29 @@ def _start_model(args: RLArgs) -> str | None:
 
 def load_models(args: RLArgs, run: Run, roles: dict, device: str, backend: str) -> Models:
     tokenizer = models.load_tokenizer(run.weights)
-    dtype, autocast = models.train_precision(roles["policy"][0], args.bf16_weights)
+    dtype, autocast = models.train_precision(roles["policy"][0], args.precision, args.bf16_weights)
     policy = models.load_policy_model(run.weights, roles["policy"], dtype)
     if device:
-        distributed.shard(policy, device)
-    if backend == "hf":
+        distributed.shard(policy, device, bf16=models.resolve_precision(args.precision, device) == "bf16")
+
+    def copy(name, role):  # a model that is only run, in the run's precision on its device
+        return models.load_model(name, roles[role], models.default_dtype(roles[role], args.precision))
+    if backend == "hf":  # sharing the policy, it samples under the policy's autocast
         shares = roles["policy"] == [roles["sample"]] and not device
-        sampler = HFSampler(policy if shares else models.load_model(run.weights, roles["sample"]), tokenizer,
-                            args.sample_batch_size)
+        sampler = HFSampler(policy if shares else copy(run.weights, "sample"), tokenizer, args.sample_batch_size)
     else:
         sampler = make_sampler(backend, None, tokenizer, models.resolve_model(run.weights), roles["sample"],
                                seed=args.seed, **args.vllm_options())
-    reference = models.load_model(run.start_model, roles["reference"]) if args.kl_coef > 0 else None
+    reference = copy(run.start_model, "reference") if args.kl_coef > 0 else None
     eval_sampler = sampler if roles["eval"] == roles["sample"] else HFSampler(
-        policy if roles["eval"] in roles["policy"] else models.load_model(run.weights, roles["eval"]), tokenizer)
+        policy if roles["eval"] in roles["policy"] else copy(run.weights, "eval"), tokenizer)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
                                   betas=(0.9, 0.95))
     critic = critic_optimizer = None
     if args.advantage_estimator == "gae":
         critic = models.load_critic(str(run.checkpoint / "critic") if run.state else args.critic_model or run.start_model,
-                                    roles["critic"], models.train_precision(roles["critic"], args.bf16_weights)[0])
+                                    roles["critic"], models.train_precision(roles["critic"], args.precision,
+                                                                            args.bf16_weights)[0])
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate,
                                              weight_decay=args.weight_decay, betas=(0.9, 0.95))
     return Models(tokenizer, policy, optimizer, sampler, eval_sampler, reference, critic, critic_optimizer, autocast)
@@ -305,9 +309,10 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
         log_probs = out["log_probs"]  # (B, T)
         # on-policy the old policy is the current one: the ratio is 1, only its gradient matters
         old = log_probs.detach() if mb.old_log_probs is None else mb.old_log_probs
+        is_weights = _rollout_correction(args, old, mb, train, tokens)
         if learn:
             loss, meta = policy_microbatch_train_step(log_probs, mb.mask, policy_weights[part], mb.advantages, old,
-                                                      ref_log_probs=mb.ref_log_probs,
+                                                      ref_log_probs=mb.ref_log_probs, rollout_is_weights=is_weights,
                                                       token_entropy=out["token_entropy"], **loss_options)
             losses.append(loss.item())
             for key in ("clip_fraction", "kl"):
@@ -330,6 +335,21 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
     return ok
 
 
+def _rollout_correction(args, old: torch.Tensor, mb, train: _Means, tokens: float) -> torch.Tensor | None:
+    """The rollout-correction weights of a microbatch (None with --rollout_is none), their metrics logged.
+    The behaviour policy is the sampler, so its own log-prob of every sampled token is needed."""
+    if args.rollout_is == "none":
+        return None
+    if mb.sampler_log_probs[mb.mask.bool()].isnan().any():
+        raise UserError(f"--rollout_is {args.rollout_is} needs the sampler's log-prob of every sampled token, and "
+                        f"these rollouts carry none; use --rollout_is none.")
+    weights, metrics = compute_rollout_is_weights(old, mb.sampler_log_probs, mb.mask, args.rollout_is,
+                                                  args.rollout_is_level, args.rollout_is_threshold)
+    for key, value in metrics.items():
+        train.add(key, value, tokens)
+    return weights
+
+
 def _clip_and_step(model, optimizer, max_grad_norm: float, train: _Means, name: str, losses=()) -> bool:
     """Clip the gradient norm and step, or skip the step (and drop the gradient) when anything is non-finite
     (on any rank: every rank makes the same choice)."""
@@ -350,7 +370,8 @@ def _log_line(m: dict, n_steps: int) -> str:
             f"ans {m['answer_reward']:.2f} | len {m['response_tokens']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
             f"clip {m.get('clip_fraction', 0):.3f} | ent {m.get('entropy', float('nan')):.2f} | "
             f"gnorm {m.get('grad_norm', float('nan')):.2f} | kl {m.get('kl', 0):.4f} | "
-            f"mismatch {m.get('sampler_logprob_diff', float('nan')):.1e} | {seconds}")
+            f"mismatch {m.get('sampler_logprob_diff', float('nan')):.1e} | is {m.get('rollout_is_weight_mean', 1):.3f} "
+            f"cut {m.get('rollout_is_clipped_fraction', 0):.3f} | {seconds}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def run(settings: dict, processes: int, tmp_path: Path, timeout: int = 600) -> s
 def rl_settings(model_dir, out, **overrides) -> dict:
     args = dict(model=model_dir, n_steps=2, group_size=2, rollout_batch_size=8, train_batch_size=8,
                 train_mini_batch_size=2, sampling_max_tokens=6, eval_every=0, save_every=1, rg_size=40,
-                learning_rate=1e-4, output_dir=str(out), use_std_normalization=True)
+                learning_rate=1e-4, output_dir=str(out), use_std_normalization=True, precision="fp32")
     return {"script": "rl", "args": {**args, **overrides}}
 
 
@@ -63,7 +63,7 @@ def assert_same_training(tmp_path):
 def test_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path, loss_agg_mode, estimator):
     for processes in (1, 2):
         settings = rl_settings(tiny_model_dir, tmp_path / f"p{processes}", loss_agg_mode=loss_agg_mode,
-                               advantage_estimator=estimator)
+                               advantage_estimator=estimator, rollout_is="none")  # scripted: no sampler log-probs
         # uneven: the two ranks' returns differ (rank 1's are all 0), so whitening each rank on its own
         # would not give one process's advantages
         run({**settings, "fixed_rollouts": True, "uneven": estimator != "grpo"}, processes, tmp_path)
@@ -80,7 +80,7 @@ def test_a_rank_with_nothing_to_train_joins_every_collective(tiny_model_dir, tmp
     kept groups."""
     for processes in (1, 2):
         settings = rl_settings(tiny_model_dir, tmp_path / f"p{processes}", filter_low=0.0, max_sampling_rounds=1,
-                               advantage_estimator=estimator)
+                               advantage_estimator=estimator, rollout_is="none")  # scripted: no sampler log-probs
         run({**settings, "fixed_rollouts": True, "uneven": True}, processes, tmp_path, timeout=300)
     metrics = read_jsonl(tmp_path / "p2" / "metrics.jsonl")
     assert [m["kept_traces"] for m in metrics] == [4, 4]  # half the batch: rank 0's groups only
@@ -123,7 +123,7 @@ def test_each_rank_samples_with_its_own_vllm_engine_kept_in_sync(tiny_model_dir,
 
 
 def test_two_process_sft_checkpoints_and_resumes(tiny_model_dir, data_dir, tmp_path):
-    args = dict(model=tiny_model_dir, data_dir=str(data_dir), max_examples=8, batch_size=4, microbatch_size=2,
+    args = dict(model=tiny_model_dir, data_dir=str(data_dir), max_examples=8, batch_size=4, microbatch_size=2, precision="fp32",
                 eval_every=0, eval_limit=2, eval_max_tokens=4, save_every=1, output_dir=str(tmp_path / "sft"))
     run({"script": "sft", "args": args}, 2, tmp_path)  # 2 steps of 4 examples, 2 per rank
     lines = read_jsonl(tmp_path / "sft" / "metrics.jsonl")

@@ -12,7 +12,7 @@ from alignment.sampling import Completion, HFSampler, SamplingParams
 
 def test_main_writes_records_and_a_summary_computed_from_them(tiny_model_dir, data_dir, tmp_path):
     args = EvalArgs(model=tiny_model_dir, data_dir=str(data_dir), limit=3, n_samples=2, temperature=1.0,
-                    max_tokens=8, output_dir=str(tmp_path / "out"))
+                    max_tokens=8, output_dir=str(tmp_path / "out"), precision="fp32")
     summary = ev.main(args)
     records = [json.loads(line) for line in open(tmp_path / "out" / "results.jsonl")]
     assert len(records) == 6 and summary["count"] == 3

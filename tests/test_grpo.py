@@ -592,3 +592,66 @@ def test_entropy_bonus_and_per_token_advantages_in_the_train_step():
     assert loss.item() == pytest.approx(((1.0 - 0.05) + (-2.0 - 0.15)) / 2)
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, 0.5]]))
     torch.testing.assert_close(entropy.grad, torch.tensor([[-0.05, -0.05]]))
+
+
+def rollout_is_loop(old, sampler, mask, mode, level, threshold):
+    """compute_rollout_is_weights written from its definition, one token at a time."""
+    rows, positions = mask.shape
+    weights = torch.zeros(rows, positions)
+    for r in range(rows):
+        sequence = sum(old[r, t].item() - sampler[r, t].item() for t in range(positions) if mask[r, t])
+        for t in range(positions):
+            if not mask[r, t]:
+                continue
+            ratio = math.exp(sequence if level == "sequence" else old[r, t].item() - sampler[r, t].item())
+            if mode == "truncate":
+                weights[r, t] = min(ratio, threshold)
+            elif mode == "mask":
+                weights[r, t] = 1.0 if 1 / threshold <= ratio <= threshold else 0.0
+            else:
+                weights[r, t] = 1.0
+    return weights
+
+
+@pytest.mark.parametrize("mode", ["none", "truncate", "mask"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_is_weights_equal_the_definition(mode, level):
+    from alignment.estimators import compute_rollout_is_weights
+    g = torch.Generator().manual_seed(11)
+    mask = (torch.rand(6, 5, generator=g) < 0.7).long()
+    old = -torch.rand(6, 5, generator=g) * 3
+    sampler = old + torch.randn(6, 5, generator=g) * (0.2 if level == "sequence" else 1.0)
+    sampler[~mask.bool()] = float("nan")  # what a forced token holds
+    old[0, ~mask[0].bool()] = float("-inf")
+    weights, metrics = compute_rollout_is_weights(old, sampler, mask, mode, level, 1.5)
+    expected = rollout_is_loop(old, sampler, mask, mode, level, 1.5)
+    torch.testing.assert_close(weights, expected, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(weights).all() and not weights.requires_grad
+    assert metrics["rollout_is_weight_mean"] == pytest.approx(expected[mask.bool()].mean().item(), rel=1e-5)
+    untruncated = rollout_is_loop(old, sampler, mask, "truncate", level, 1e9)
+    changed = {"none": torch.zeros_like(mask, dtype=torch.bool), "mask": (expected != 1.0) & mask.bool(),
+               "truncate": (expected < untruncated) & mask.bool()}[mode]
+    assert metrics["rollout_is_clipped_fraction"] == pytest.approx(changed.sum().item() / mask.sum().item())
+    if mode != "none":
+        assert 0 < metrics["rollout_is_clipped_fraction"] < 1  # the case has tokens on both sides
+
+
+def test_rollout_is_weights_change_the_gradient_and_masked_infs_stay_out():
+    from alignment.estimators import compute_rollout_is_weights
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.5]], requires_grad=True)
+    sampler = torch.tensor([[-2.0, -2.0, float("-inf")], [-0.3, -1.0, float("nan")]])
+    sampler[1, 2] = -2.5
+    adv = torch.tensor([[1.0], [-1.0]])
+    weights, _ = compute_rollout_is_weights(logp.detach(), sampler, mask, "truncate", "token", 2.0)
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 1.0, 0.0], [1.0, math.exp(-0.2), 1.0]]))
+    row_weights = loss_weights("token-mean", mask, num_rows=2, num_tokens=5)
+    loss, _ = policy_microbatch_train_step(logp, mask, row_weights, adv, logp.detach(), "grpo_clip", cliprange=0.2,
+                                           rollout_is_weights=weights)
+    corrected = logp.grad.clone()
+    logp.grad = None
+    plain, _ = policy_microbatch_train_step(logp, mask, row_weights, adv, logp.detach(), "grpo_clip", cliprange=0.2)
+    assert torch.isfinite(loss) and torch.isfinite(corrected).all()
+    # on-policy the token's gradient is -A * w / num_tokens: the weight reaches the gradient, not only a metric
+    torch.testing.assert_close(corrected, -adv * weights / 5)
+    torch.testing.assert_close(logp.grad, -adv * mask / 5)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from alignment import models
@@ -35,3 +36,18 @@ def test_a_save_cut_off_between_its_renames_is_completed(tmp_path):
     (tmp_path / "checkpoint.tmp" / "step").write_text("2")
     assert (models.finish_interrupted_save(out) / "step").read_text() == "2"  # the finished new copy
     assert models.finish_interrupted_save(out) == out and (out / "step").read_text() == "2"  # then a no-op
+
+
+def test_precision_auto_follows_what_the_cpu_reports(monkeypatch):
+    amd_avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    sapphire = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    assert not models.cpu_has_fast_bf16(amd_avx2) and models.cpu_has_fast_bf16(sapphire)
+    for cpuinfo, picked in ((amd_avx2, "fp32"), (sapphire, "bf16")):
+        monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda info=None, cpuinfo=cpuinfo: "avx512_bf16" in cpuinfo)
+        assert models.resolve_precision("auto", "cpu") == picked
+        assert models.resolve_precision("fp32", "cpu") == "fp32" and models.resolve_precision("bf16", "cpu") == "bf16"
+        assert models.default_dtype("cpu") == (torch.bfloat16 if picked == "bf16" else torch.float32)
+    dtype, autocast = models.train_precision("cpu", "bf16")
+    assert dtype == torch.float32 and autocast.device == "cpu" and autocast.fast_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="--precision 'half' is not one of auto, fp32, bf16"):
+        models.resolve_precision("half", "cpu")

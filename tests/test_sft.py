@@ -74,7 +74,7 @@ def test_bad_flag_combination_says_what_to_change():
 
 def tiny_args(model_dir, out_dir, **overrides) -> SFTArgs:
     base = dict(model=model_dir, max_examples=8, batch_size=4, microbatch_size=2, eval_limit=2,
-                eval_max_tokens=4, output_dir=str(out_dir), lr=1e-3)
+                eval_max_tokens=4, output_dir=str(out_dir), lr=1e-3, precision="fp32")
     return SFTArgs(**{**base, **overrides})
 
 

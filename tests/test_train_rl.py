@@ -26,7 +26,7 @@ def parity(monkeypatch):
 def tiny_args(model_dir, out, **overrides) -> RLArgs:
     base = dict(model=model_dir, n_steps=2, group_size=4, rollout_batch_size=8, train_batch_size=8,
                 train_mini_batch_size=4, sampling_max_tokens=6, eval_every=0, save_every=1, rg_size=40,
-                learning_rate=1e-3, output_dir=str(out))
+                learning_rate=1e-3, output_dir=str(out), precision="fp32")  # the same numbers on any CPU
     args = RLArgs(**{**base, **overrides})
     args.check()
     return args
@@ -204,7 +204,7 @@ def test_trained_models_keep_fp32_master_weights_on_gpu(monkeypatch):
         monkeypatch.setattr(models, "load_model", lambda name, device, dtype=None, device_map=None: loaded.append(dtype))
         models.load_policy_model("any", ["cuda:0"])  # the policy's default is the training dtype, not bf16
         assert loaded == [torch.float32]
-    dtype, autocast = models.train_precision("cpu", bf16_weights=True)
+    dtype, autocast = models.train_precision("cpu", "fp32", bf16_weights=True)
     assert dtype == torch.float32 and isinstance(autocast, contextlib.nullcontext)
 
 
@@ -494,3 +494,65 @@ def test_an_experience_gives_each_microbatch_its_slice_and_each_train_batch_its_
     torch.testing.assert_close(value, torch.full((3,), 1 / 6, dtype=torch.float64))  # token-mean: 6 tokens
     policy, _ = exp.loss_weights([1, 2], "seq-mean-token-mean", max_response_length=8)
     torch.testing.assert_close(policy, torch.tensor([0, 1 / 6, 1 / 4], dtype=torch.float64))  # outside the batch: 0
+
+
+def test_rollout_correction_weights_reach_the_gradient(tiny_model_dir, tmp_path, parity, monkeypatch):
+    standard = experience.ROLLOUT_MODES["standard"]
+
+    def sampler_off_by(shift):  # the sampler reports log-probs `shift` away from the learner's
+        def rollouts(*args, **kwargs):
+            rows = standard(*args, **kwargs)
+            for row in rows:
+                row.sampler_logprobs = [x + shift for x in row.sampler_logprobs]
+            return rows
+        return rollouts
+
+    def first_step(name, **flags):
+        train_rl.main(tiny_args(tiny_model_dir, tmp_path / name, n_steps=1, **flags))
+        return read_jsonl(tmp_path / name / "metrics.jsonl")[0]
+
+    monkeypatch.setitem(experience.ROLLOUT_MODES, "standard", sampler_off_by(-math.log(4)))  # ratio 4 everywhere
+    plain = first_step("plain", rollout_is="none")
+    truncated = first_step("truncated")  # the default: truncate at 2, per token
+    masked = first_step("masked", rollout_is="mask")
+    assert "rollout_is_weight_mean" not in plain
+    assert truncated["rollout_is_weight_mean"] == pytest.approx(2.0) and truncated["rollout_is_clipped_fraction"] == 1
+    assert truncated["grad_norm"] == pytest.approx(2 * plain["grad_norm"], rel=1e-4)  # on-policy: -A * w * grad logp
+    assert masked["rollout_is_weight_mean"] == 0 and masked["grad_norm"] == 0
+    monkeypatch.setitem(experience.ROLLOUT_MODES, "standard", sampler_off_by(math.log(1.5)))  # ratio 1/1.5: inside
+    assert first_step("inside", rollout_is="mask")["rollout_is_clipped_fraction"] == 0
+
+    def without_log_probs(*args, **kwargs):
+        rows = standard(*args, **kwargs)
+        for row in rows:
+            row.sampler_logprobs = None
+        return rows
+    monkeypatch.setitem(experience.ROLLOUT_MODES, "standard", without_log_probs)
+    with pytest.raises(UserError, match="needs the sampler's log-prob of every sampled token"):
+        first_step("missing")
+    assert "loss" in first_step("missing-off", rollout_is="none")
+
+
+def test_a_bf16_run_keeps_fp32_master_weights_and_optimizer_state(tiny_model_dir, tmp_path, parity, monkeypatch):
+    seen = []
+    real_step = train_rl.policy_microbatch_train_step
+
+    def recording(policy_log_probs, *args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        assert policy_log_probs.dtype == torch.float32  # log-softmax, loss and KL stay fp32
+        return real_step(policy_log_probs, *args, **kwargs)
+    monkeypatch.setattr(train_rl, "policy_microbatch_train_step", recording)
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, precision="bf16", kl_coef=0.1,
+                            kl_estimator="k2"))
+    assert seen and all(seen)  # the forward and loss ran under bf16 autocast
+    [step] = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert math.isfinite(step["loss"]) and step["grad_norm"] > 0 and 0 < step["rollout_is_weight_mean"] <= 2
+    from safetensors import safe_open
+    with safe_open(tmp_path / "run" / "checkpoint" / "model.safetensors", "pt") as saved:
+        assert {saved.get_tensor(name).dtype for name in saved.keys()} == {torch.float32}  # as trained
+    state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 1
+    import torch.distributed.checkpoint as dcp
+    metadata = dcp.FileSystemReader(str(tmp_path / "run" / "checkpoint" / "optimizer")).read_metadata()
+    dtypes = {m.properties.dtype for m in metadata.state_dict_metadata.values() if hasattr(m, "properties")}
+    assert dtypes == {torch.float32}  # AdamW's moments in fp32 too

