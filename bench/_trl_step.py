@@ -26,7 +26,7 @@ def main(settings: dict):
 
     max_tokens = settings["max_tokens"]
     config = GRPOConfig(
-        output_dir=settings["output_dir"], use_cpu=True, bf16=False, fp16=False, report_to="none",
+        output_dir=settings["output_dir"], use_cpu=True, bf16=settings.get("bf16", False), fp16=False, report_to="none",
         save_strategy="no", eval_strategy="no", logging_steps=1, disable_tqdm=True, seed=settings["seed"],
         max_steps=settings["steps"], learning_rate=settings["learning_rate"], lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, adam_beta2=0.95, max_grad_norm=1.0,

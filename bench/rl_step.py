@@ -13,6 +13,13 @@ forced to exactly max_tokens (min_tokens on our sampler, min_new_tokens on TRL's
 generate the same number of tokens; --natural_length lets EOS and `</answer>` end them (our sampler stops
 at `</answer>`, TRL's does not) and the table then reports the tokens each side generated.
 
+The floors, measured in the same run: this CPU's matmul rate in fp32 and bf16 (a 2048x576 by 576x1536
+product, the shape of SmolLM2's projections, at the same thread count), and each phase's FLOPs over the
+rate of its precision, for the least work the step needs: generation 2 N per token (the prompt once, then
+every generated token with a KV cache), training 6 N per token for one forward and backward over the
+prompt once and every response token, with N the parameter count (the tied head is a matmul at every
+position, so it counts). Each side's "reached" is that floor over its measured seconds.
+
 Our side is the real training loop, `alignment.train_rl.main`, run on a data folder holding only the
 chosen question; its per-step seconds come from its metrics.jsonl. With --backend vllm it samples with a
 vLLM engine in the same process (compiled; its start, before step 1, is not part of any step) and pushes
@@ -59,6 +66,20 @@ def trl_python(venv: Path) -> Path:
     return python
 
 
+def matmul_peak(dtype: torch.dtype, seconds: float = 2.0) -> float:
+    """FLOP/s of a 2048x576 @ 576x1536 matmul in `dtype` on this CPU (torch's threads), best of repeats."""
+    a, b = torch.randn(2048, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+    for _ in range(3):
+        a @ b  # warm-up (oneDNN picks its kernel)
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        best = max(best, 10 * 2 * 2048 * 576 * 1536 / (time.perf_counter() - start))
+    return best
+
+
 def run_ours(args, question_dir: Path, round_index: int) -> list[dict]:
     run_dir = WORK / f"ours-{round_index}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -70,7 +91,7 @@ def run_ours(args, question_dir: Path, round_index: int) -> list[dict]:
                      learning_rate=1e-5, n_steps=args.steps, eval_every=0, save_every=10**9, log_rollouts=0,
                      seed=args.seed + round_index, output_dir=str(run_dir), sample_device="cpu",
                      reference_model_device="cpu", eval_device="cpu", backend=args.backend, kv_cache_gib=2,
-                     sampling_min_tokens=0 if args.natural_length else args.max_tokens)
+                     sampling_min_tokens=0 if args.natural_length else args.max_tokens, precision=args.precision)
     rl_args.check()
     train_rl.main(rl_args)
     steps = []
@@ -90,6 +111,7 @@ def run_trl(args, python: Path, prompt: str, answer: str, round_index: int) -> l
                 "answer": answer, "steps": args.steps, "group_size": args.group_size, "microbatch": args.microbatch,
                 "max_tokens": args.max_tokens, "temperature": 1.0, "top_p": 1.0, "learning_rate": 1e-5,
                 "force_length": not args.natural_length, "threads": args.threads, "seed": args.seed + round_index,
+                "bf16": args.trl_bf16,
                 "output_dir": str(WORK / f"trl-{round_index}")}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": ""}
@@ -110,6 +132,8 @@ def main():
     parser.add_argument("--max_tokens", type=int, default=128, help="most generated tokens per completion")
     parser.add_argument("--natural_length", action="store_true", help="let EOS/stop strings end completions")
     parser.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="our side's sampler")
+    parser.add_argument("--precision", default="fp32", choices=["auto", "fp32", "bf16"], help="our side's --precision")
+    parser.add_argument("--trl_bf16", action="store_true", help="TRL's bf16 option (GRPOConfig bf16=True)")
     parser.add_argument("--question", type=int, default=0, help="index of the GSM8K test question")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides")
     parser.add_argument("--seed", type=int, default=0)
@@ -132,7 +156,12 @@ def main():
     tokenizer = models.load_tokenizer(args.model)
     [prompt], [prompt_ids] = build_prompts(tokenizer, [row], "r1_zero")
 
-    print(f"[bench] {args.model}, fp32 CPU, {args.threads} threads; {args.group_size} completions of "
+    peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+    n_params = sum(p.numel() for p in models.load_model(args.model).parameters())
+    print(f"[bench] matmul peak here: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s "
+          f"({peaks['bf16'] / peaks['fp32']:.2f}x); model {n_params / 1e6:.1f}M parameters", flush=True)
+    print(f"[bench] {args.model}, our precision {models.resolve_precision(args.precision, 'cpu')}, TRL "
+          f"{'bf16' if args.trl_bf16 else 'fp32'}, CPU, {args.threads} threads; {args.group_size} completions of "
           f"{'<=' if args.natural_length else 'exactly '}{args.max_tokens} tokens per step; microbatch {args.microbatch}; "
           f"prompt {len(prompt_ids)} tokens; torch {torch.__version__}; TRL {TRL_VERSION}; our sampler {args.backend}",
           flush=True)
@@ -158,6 +187,15 @@ def main():
         medians[side] = m
         print(f"{side:6} {m['total']:8.1f} {m['generate']:11.1f} {m['score']:8.2f} {m['train']:8.1f} "
               f"{m['tokens']:11.0f} {m['tokens'] / m['total']:14.1f}")
+    precision = {"ours": models.resolve_precision(args.precision, "cpu"), "trl": "bf16" if args.trl_bf16 else "fp32"}
+    print(f"\nfloors (FLOPs / this CPU's matmul peak in the side's precision) and the share of them reached:")
+    for side, m in medians.items():
+        peak = peaks[precision[side]]
+        generate_floor = 2 * n_params * (len(prompt_ids) + m["tokens"]) / peak
+        train_floor = 6 * n_params * (len(prompt_ids) + m["tokens"]) / peak
+        print(f"{side:6} generate floor {generate_floor:6.2f}s ({generate_floor / m['generate']:6.1%} reached) | train "
+              f"floor {train_floor:6.2f}s ({train_floor / m['train']:6.1%} reached) | {precision[side]} peak "
+              f"{peak / 1e9:.0f} GFLOP/s")
     ours, trl = medians["ours"], medians["trl"]
     print(f"ratio TRL/ours: total {trl['total'] / ours['total']:.2f}x | generate {trl['generate'] / ours['generate']:.2f}x"
           f" | train {trl['train'] / ours['train']:.2f}x | per generated token "
