@@ -73,9 +73,13 @@ def resolve_precision(precision: str, device: str | torch.device) -> str:
     return "bf16" if cpu_has_fast_bf16() else "fp32"
 
 
-def default_dtype(device: str | torch.device, precision: str = "auto") -> torch.dtype:
+def default_dtype(device: str | torch.device, precision: str | None = None) -> torch.dtype:
     """dtype of a model that is only run, never trained (sampler, reference, evaluation): bf16 where
-    `precision` resolves to bf16 (a GPU, the reference setup; a CPU with a bf16 unit), else fp32."""
+    `precision` (a script's --precision) resolves to bf16, else fp32. Without one: bf16 on GPU (the
+    reference setup), fp32 on CPU, whatever the CPU reports, so a library call gives the same numbers on
+    every CPU."""
+    if precision is None:
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return torch.bfloat16 if resolve_precision(precision, device) == "bf16" else torch.float32
 
 

@@ -46,7 +46,8 @@ def test_precision_auto_follows_what_the_cpu_reports(monkeypatch):
         monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda info=None, cpuinfo=cpuinfo: "avx512_bf16" in cpuinfo)
         assert models.resolve_precision("auto", "cpu") == picked
         assert models.resolve_precision("fp32", "cpu") == "fp32" and models.resolve_precision("bf16", "cpu") == "bf16"
-        assert models.default_dtype("cpu") == (torch.bfloat16 if picked == "bf16" else torch.float32)
+        assert models.default_dtype("cpu", "auto") == (torch.bfloat16 if picked == "bf16" else torch.float32)
+        assert models.default_dtype("cpu") == torch.float32  # a library call without --precision: any CPU alike
     dtype, autocast = models.train_precision("cpu", "bf16")
     assert dtype == torch.float32 and autocast.device == "cpu" and autocast.fast_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="--precision 'half' is not one of auto, fp32, bf16"):
