@@ -165,6 +165,7 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
     rollout_is: str = arg("truncate", "rollout correction: weigh each token's policy-gradient term by old-policy / sampler probability, from the sampler's own log-probs: truncate (TIS: min(ratio, C), the Delethink recipe), mask (MIS: 0 outside [1/C, C]) or none. The default changes nothing where sampler and learner agree (ratio 1 +- 1e-5 in fp32 here) and bounds the correction where they do not (bf16, another kernel)")
     rollout_is_level: str = arg("token", "rollout correction per token or per sequence (the ratio of the whole row)")
     rollout_is_threshold: float = arg(2.0, "rollout correction's C (> 1)")
+    async_steps: int = arg(0, "0: sample each step's batch with the current weights, then train (synchronous); 1: sample step t+1's batch while step t trains, one policy version behind, corrected by --rollout_is (needs a sampler with its own weights: --backend vllm, or --sample_device on another device; see alignment/async_rollouts.py)")
     critic_model: str | None = arg(None, "gae: the critic's starting weights (default: the policy's starting model) and a zero value head")
     critic_device: str | None = arg(None, "gae: device of the critic (default: the reference model's)")
     critic_learning_rate: float = arg(1e-5, "gae: the critic's AdamW learning rate")
@@ -222,6 +223,11 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
         if self.rollout_is != "none" and self.rollout_is_threshold <= 1:
             raise ValueError(f"--rollout_is_threshold {self.rollout_is_threshold} must be above 1 (a ratio of 1 means "
                              f"sampler and learner agree).")
+        if self.async_steps not in (0, 1):
+            raise ValueError(f"--async_steps {self.async_steps} must be 0 (synchronous) or 1 (one batch in flight).")
+        if self.async_steps and self.rollout_is == "none":
+            raise ValueError("--async_steps 1 trains on batches sampled one policy version behind, which needs rollout "
+                             "correction against the sampler: use --rollout_is truncate or mask.")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"--kl_estimator {self.kl_estimator!r} is not one of k1, k2, k3.")
         if self.kl_in_reward and self.kl_coef <= 0:

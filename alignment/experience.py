@@ -45,6 +45,7 @@ class Batch:
     metrics: dict  # reward and sampling numbers over every sampled trace of every rank
     samples: list[dict]  # full rollouts (prompt, response, reward) for rollouts.jsonl
     seconds: dict  # {"sample": s, "score": s}
+    policy_version: int = 0  # the policy version (RL steps taken) whose weights sampled it: async_rollouts.py
 
 
 @dataclass

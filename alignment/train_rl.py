@@ -9,8 +9,9 @@ One step: sample `group_size` responses for each question with the rollout mode 
 grader (with dynamic sampling: drop groups without signal and sample more questions until the batch is
 full); build the step's `Experience` (old/reference log-probs, values, advantages) before any update; then
 for each epoch and train batch compute the loss weights once, run the microbatches through
-`policy_microbatch_train_step`, clip, step, and push the new weights to the sampler. The run folder, its
-metrics and checkpoints are `alignment.run.Run`'s.
+`policy_microbatch_train_step`, clip, step, and push the new weights to the sampler. With `--async_steps 1`
+the next step's batch is sampled while this one trains (alignment/async_rollouts.py says how that stays
+correct). The run folder, its metrics and checkpoints are `alignment.run.Run`'s.
 
 Every log-prob the loss uses (current, old, reference) is of softmax(logits / sampling temperature), the
 distribution the responses were drawn from. Departures from the reference loop, all for speed and none
@@ -20,6 +21,7 @@ on-policy (one epoch, one optimizer step per rollout batch) the old log-probs ar
 detached instead of a second forward pass.
 """
 
+import contextlib
 import math
 import random
 import time
@@ -30,6 +32,7 @@ from tqdm.auto import tqdm
 
 from alignment import data, distributed, models, tir
 from alignment.args import RLArgs, parse
+from alignment.async_rollouts import RolloutSource
 from alignment.errors import UserError, cli
 from alignment.estimators import compute_rollout_is_weights, compute_value_loss
 from alignment.evaluate import PROMPT_SETTINGS, evaluate
@@ -100,6 +103,9 @@ def main(args: RLArgs) -> dict:
              models.assign_device_roles(models.available_devices(), args.sample_device, args.reference_model_device,
                                         args.eval_device, args.critic_device))
     backend = pick_backend("hf" if device and args.backend == "auto" else args.backend, roles["sample"])
+    if args.async_steps and backend == "hf" and roles["policy"] == [roles["sample"]]:
+        raise UserError("--async_steps 1 samples while the policy trains, so the sampler needs weights of its own: "
+                        "use --backend vllm, or put the sampler on another device with --sample_device.")
     run.say(f"[train_rl] {args.loss_type} loss, {args.advantage_estimator} advantages"
             f"{' (the raw reward)' if args.advantage_estimator == 'none' else ''}, on {args.dataset} from {run.weights}; "
             f"devices {roles}; sampler {backend}; precision {models.resolve_precision(args.precision, roles['policy'][0])}"
@@ -116,10 +122,15 @@ def main(args: RLArgs) -> dict:
     state = run.restore(m.policy, m.optimizer) or {}
     if m.critic is not None and state:
         m.critic_optimizer.load_state_dict(state["critic_optimizer"])
-    bad_steps, drawn = state.get("bad_steps", 0), state.get("questions_drawn", 0)  # drawn: from the question stream
-    score = make_scorer(args)
+    bad_steps, score = state.get("bad_steps", 0), make_scorer(args)
+
+    def collect(step: int, drawn: int):  # drawn: the position in the question stream
+        return collect_rollouts(args, step, drawn, train_rows, m.sampler, m.tokenizer, score)
+    source = RolloutSource(args.async_steps, args.n_steps, collect, lambda: push(m.sampler),
+                           state.get("questions_drawn", 0), state.get("in_flight"))
 
     def run_eval(step: int):  # greedy, on rank 0; the others join the weight gather and wait
+        source.wait()  # the sampler and the grader are the loop's again
         push(m.eval_sampler)
         if run.main:
             m.policy.eval()
@@ -139,11 +150,11 @@ def main(args: RLArgs) -> dict:
                total=args.n_steps, disable=not run.main)
     for step in bar:
         # 1-2. Sample and score groups until the batch holds enough informative ones (one round without
-        # dynamic sampling).
+        # dynamic sampling); one step ahead, this step's batch was sampled while the last step trained.
         m.policy.eval()
-        with m.autocast:
-            batch, drawn = collect_rollouts(args, step, drawn, train_rows, m.sampler, m.tokenizer, score)
-        times = dict(batch.seconds)  # sample, score
+        with contextlib.nullcontext() if args.async_steps else m.autocast:  # async: the sampler is a copy
+            batch = source.take(step)
+        times = dict(batch.seconds)  # sample, score (async: in the background; wait and sync in the loop)
 
         # 3. Before any update: old/reference log-probs, values and advantages. Then the update.
         start, train = time.perf_counter(), _Means()
@@ -153,10 +164,11 @@ def main(args: RLArgs) -> dict:
             bad_steps = _update(args, m, experience, len(batch.traces) // args.group_size, step, train, push, bad_steps,
                                 run.checkpoint)
         times["train"] = time.perf_counter() - start
-        times["sync"] = push(m.sampler)
+        times["sync"] = times.get("sync", 0.0) + source.after_update()
 
         # 4. Log, write a few full rollouts, evaluate, checkpoint.
-        metrics = {"step": step + 1, **batch.metrics, **train.means(), **{f"seconds_{k}": v for k, v in times.items()}}
+        metrics = {"step": step + 1, **batch.metrics, "policy_lag": step - batch.policy_version, **train.means(),
+                   **{f"seconds_{k}": v for k, v in times.items()}}
         run.log(metrics)
         run.log_rollouts(step + 1, batch.samples[:args.log_rollouts])
         run.say(_log_line(metrics, args.n_steps))
@@ -164,8 +176,7 @@ def main(args: RLArgs) -> dict:
             run_eval(step + 1)
         if (step + 1) % args.save_every == 0 or step + 1 == args.n_steps:
             critic = {"critic_optimizer": m.critic_optimizer.state_dict()} if m.critic is not None else {}
-            run.save(step + 1, m.policy, m.tokenizer, m.optimizer, {"bad_steps": bad_steps, "questions_drawn": drawn,
-                                                                   **critic},
+            run.save(step + 1, m.policy, m.tokenizer, m.optimizer, {"bad_steps": bad_steps, **source.state(), **critic},
                      submodels={"critic": m.critic} if m.critic is not None else None)
     bar.close()
     return {"run_dir": str(run.dir), "last_metrics": run.metrics()[-1:]}
@@ -176,6 +187,9 @@ def _refuse_under_torchrun(args: RLArgs, device: str):
         return
     distributed.refuse({"--sample_device": args.sample_device, "--reference_model_device": args.reference_model_device,
                         "--eval_device": args.eval_device, "--critic_device": args.critic_device})
+    if args.async_steps:
+        raise UserError("--async_steps 1 is not supported under torchrun (each rank's sampling joins collectives that "
+                        "would interleave with training's): run it without torchrun, or with --async_steps 0.")
     if args.advantage_estimator == "gae":
         raise UserError("under torchrun this loop has no sharded critic: use --advantage_estimator grpo, rloo "
                         "or reinforce_pp[_baseline], or run gae without torchrun.")

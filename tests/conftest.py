@@ -57,3 +57,16 @@ def tiny_model_dir(tokenizer, tmp_path_factory) -> str:
     build_tiny_model(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def parity_reward(text, ground_truth, *rest):
+    """A reward the tiny random model can earn: half its answers are 'right', so groups have spread."""
+    return {"reward": float(len(text) % 2), "format_reward": 1.0, "answer_reward": float(len(text) % 2)}
+
+
+@pytest.fixture
+def parity(monkeypatch):
+    """train_rl scores with parity_reward (every prompt and the TIR reward)."""
+    from alignment import train_rl
+    monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (parity_reward, ()))
+    monkeypatch.setattr(train_rl.tir, "tir_reward_fn", parity_reward)

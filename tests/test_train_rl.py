@@ -10,17 +10,7 @@ import torch
 from alignment import experience, models, train_rl
 from alignment.args import DEFAULT_RL_TASK, EvalArgs, RLArgs, SFTArgs, parse
 from alignment.errors import UserError
-
-
-def parity_reward(text, ground_truth, *rest):
-    """A reward the tiny random model can earn: half its answers are 'right', so groups have spread."""
-    return {"reward": float(len(text) % 2), "format_reward": 1.0, "answer_reward": float(len(text) % 2)}
-
-
-@pytest.fixture
-def parity(monkeypatch):
-    monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (parity_reward, ()))
-    monkeypatch.setattr(train_rl.tir, "tir_reward_fn", parity_reward)
+from tests.conftest import parity_reward
 
 
 def tiny_args(model_dir, out, **overrides) -> RLArgs:

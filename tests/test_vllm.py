@@ -17,6 +17,7 @@ import torch
 from alignment import delethink, evaluate, models, sft, tir, train_rl
 from alignment.args import EvalArgs, RolloutArgs, SFTArgs
 from alignment.sampling import Completion, HFSampler, SamplingParams
+from tests.conftest import parity_reward
 
 pytestmark = [pytest.mark.slow,  # each starts or uses vLLM's CPU engine: run by CI, skipped by `-m "not slow"`
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -171,16 +172,6 @@ def test_stop_strings_eos_min_and_max_tokens(backend, engine, hf, tokenizer, cha
 
 
 # ---- scripts with --backend vllm (each starts its own engine on the tiny model) ---------------------
-
-def parity_reward(text, ground_truth, *rest):
-    return {"reward": float(len(text) % 2), "format_reward": 1.0, "answer_reward": float(len(text) % 2)}
-
-
-@pytest.fixture
-def parity(monkeypatch):
-    monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (parity_reward, ()))
-    monkeypatch.setattr(train_rl.tir, "tir_reward_fn", parity_reward)
-
 
 def vllm_rl_args(model_dir, out, **overrides):
     base = dict(model=model_dir, n_steps=2, group_size=4, rollout_batch_size=8, train_batch_size=8,
