@@ -151,6 +151,7 @@ def main(args: RLArgs) -> dict:
     for step in bar:
         # 1-2. Sample and score groups until the batch holds enough informative ones (one round without
         # dynamic sampling); one step ahead, this step's batch was sampled while the last step trained.
+        step_start = time.perf_counter()
         m.policy.eval()
         with contextlib.nullcontext() if args.async_steps else m.autocast:  # async: the sampler is a copy
             batch = source.take(step)
@@ -165,6 +166,7 @@ def main(args: RLArgs) -> dict:
                                 run.checkpoint)
         times["train"] = time.perf_counter() - start
         times["sync"] = times.get("sync", 0.0) + source.after_update()
+        times["step"] = time.perf_counter() - step_start  # the step's wall time, evaluation and checkpoint aside
 
         # 4. Log, write a few full rollouts, evaluate, checkpoint.
         metrics = {"step": step + 1, **batch.metrics, "policy_lag": step - batch.policy_version, **train.means(),

@@ -79,7 +79,7 @@ def summarise(name: str, run_dirs: list[Path]) -> dict:
         records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
         curves.append([(r["step"], r["eval_avg_answer_rewards"]) for r in records if "eval_avg_answer_rewards" in r])
         steps = [r for r in records if "seconds_sample" in r]
-        seconds.append(statistics.mean(sum(v for k, v in r.items() if k.startswith("seconds_")) for r in steps))
+        seconds.append(statistics.mean(r["seconds_step"] for r in steps))
         rewards.append(steps[-1]["reward"])
     finals = [c[-1][1] for c in curves]
     return {"name": name, "first": statistics.mean(c[0][1] for c in curves), "final": statistics.mean(finals),

@@ -97,7 +97,7 @@ def run_ours(args, question_dir: Path, round_index: int) -> list[dict]:
     steps = []
     for m in map(json.loads, open(run_dir / "metrics.jsonl")):
         seconds = {k[len("seconds_"):]: v for k, v in m.items() if k.startswith("seconds_")}
-        steps.append({"total": sum(seconds.values()), "generate": seconds["sample"], "score": seconds["score"],
+        steps.append({"total": seconds["step"], "generate": seconds["sample"], "score": seconds["score"],
                       "train": seconds["train"] + seconds["sync"], "tokens": m["response_tokens"] * args.group_size})
     shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)  # main() saves at its last step
     if not args.natural_length and any(abs(s["tokens"] - args.group_size * args.max_tokens) > 0.5 for s in steps):

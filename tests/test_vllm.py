@@ -231,8 +231,9 @@ class Crash(Exception):
     pass
 
 
-def test_resume_with_vllm_replays_the_same_rollouts(tiny_model_dir, tmp_path, parity, monkeypatch):
-    train_rl.main(vllm_rl_args(tiny_model_dir, tmp_path / "whole", n_steps=3))
+@pytest.mark.parametrize("async_steps", [0, 1])
+def test_resume_with_vllm_replays_the_same_rollouts(tiny_model_dir, tmp_path, parity, monkeypatch, async_steps):
+    train_rl.main(vllm_rl_args(tiny_model_dir, tmp_path / "whole", n_steps=3, async_steps=async_steps))
     calls = {"n": 0}
 
     def crash_in_step_3(text, ground_truth):
@@ -242,14 +243,17 @@ def test_resume_with_vllm_replays_the_same_rollouts(tiny_model_dir, tmp_path, pa
         return parity_reward(text, ground_truth)
 
     monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (crash_in_step_3, ()))
-    with pytest.raises(Crash):
-        train_rl.main(vllm_rl_args(tiny_model_dir, tmp_path / "crashed", n_steps=3))
+    with pytest.raises(Crash):  # one step ahead: raised when the loop waits for step 3's batch
+        train_rl.main(vllm_rl_args(tiny_model_dir, tmp_path / "crashed", n_steps=3, async_steps=async_steps))
     gc.collect()
     monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (parity_reward, ()))
-    train_rl.main(vllm_rl_args(tiny_model_dir, tmp_path / "crashed", n_steps=3, resume=str(tmp_path / "crashed")))
+    train_rl.main(vllm_rl_args(tiny_model_dir, tmp_path / "crashed", n_steps=3, resume=str(tmp_path / "crashed"),
+                               async_steps=async_steps))
     rollouts = [read_jsonl(tmp_path / run / "rollouts.jsonl") for run in ("whole", "crashed")]
     assert [(r["step"], r["prompt"], r["response"]) for r in rollouts[0]] == \
            [(r["step"], r["prompt"], r["response"]) for r in rollouts[1]]
+    lags = [m["policy_lag"] for m in read_jsonl(tmp_path / "crashed" / "metrics.jsonl")]
+    assert lags == ([0, 1, 1] if async_steps else [0, 0, 0])
     gc.collect()
 
 
