@@ -29,7 +29,11 @@ The background thread is a daemon: Ctrl-C does not wait for the batch in flight.
 import threading
 import time
 
+from tqdm.auto import tqdm
+
 from alignment.experience import Batch
+
+REPORT_EVERY = 300.0  # seconds between notes while the loop waits for a batch in flight
 
 
 class RolloutSource:
@@ -51,7 +55,8 @@ class RolloutSource:
         start = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - start
-        batch, self.ready = self.ready or self._collect(step, version=step), None
+        batch = self.ready if self.ready is not None else self._collect(step, version=step)
+        self.ready = None
         batch.seconds["wait"] = waited  # the loop's time blocked on the batch in flight
         if step + 1 < self.n_steps:
             batch.seconds["sync"] = self.push()
@@ -67,7 +72,11 @@ class RolloutSource:
     def wait(self):
         """Wait for the batch in flight, if any, and keep it for the step that takes it."""
         if self.thread is not None:
-            self.thread.join()
+            start = time.perf_counter()
+            self.thread.join(REPORT_EVERY)
+            while self.thread.is_alive():  # a hung sampler is not silent
+                tqdm.write(f"[train_rl] still waiting for the batch in flight after {time.perf_counter() - start:.0f} s")
+                self.thread.join(REPORT_EVERY)
             self.thread = None
             if self.error is not None:
                 error, self.error = self.error, None

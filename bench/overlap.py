@@ -1,8 +1,8 @@
 """Seconds per RL step with --async_steps 0 and 1, on this CPU emulating the seed's layout: one core for
 the sampler, one for the learner, as if each were a GPU of its own.
 
-    uv run --extra vllm-cpu python bench/overlap.py               # 5 steps per mode, about 15 minutes on 2 cores
-    uv run --extra vllm-cpu python bench/overlap.py --steps 3 --max_tokens 32   # a quick look
+    uv run --extra vllm-cpu python bench/overlap.py               # 6 steps per mode, about 15 minutes on 2 cores
+    uv run --extra vllm-cpu python bench/overlap.py --steps 3 --max_tokens 16   # a quick look
 
 Both modes run the real loop (`alignment.train_rl.main`) in a child process on the same work: the
 packaged SmolLM2-135M, the default task, 8 questions x 4 samples per step, every response forced to
@@ -14,8 +14,8 @@ one in mode 1) pinned to core 0 while it samples and the learner pinned to core 
 core idle at any moment, like the seed's synchronous layout leaves a GPU idle, and mode 1 can keep both
 busy.
 
-Printed: each mode's seconds per step (the mean over the steps after the first, which has nothing in
-flight in mode 1), their ratio, and the ideal ratio (sample + train) / max(sample, train) from mode 0's
+Printed: each mode's seconds per step (the mean over all steps but the first, which has nothing in
+flight in mode 1, and the last, which starts no batch), their ratio, and the ideal ratio (sample + train) / max(sample, train) from mode 0's
 own phase times. The Python interpreter lock is shared by the two threads of mode 1 (vLLM's scheduler
 and our scoring hold it; torch kernels release it), which is one reason to fall short of the ideal.
 """
@@ -75,13 +75,15 @@ def run_mode(args, async_steps: int) -> list[dict]:
 
 
 def mean(steps: list[dict], key: str) -> float:
-    return statistics.mean(m[key] for m in steps[1:])  # the first step is a warm-up with nothing in flight
+    # left out: the first step (nothing in flight in mode 1, a warm-up in both) and the last (mode 1 starts
+    # no batch beyond the run, so nothing overlaps it)
+    return statistics.mean(m[key] for m in steps[1:-1])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--steps", type=int, default=5, help="RL steps per mode (the first is left out)")
+    parser.add_argument("--steps", type=int, default=6, help="RL steps per mode (the first and the last are left out)")
     parser.add_argument("--max_tokens", type=int, default=64, help="tokens per response, forced")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -90,14 +92,14 @@ def main():
         return worker(args.worker)
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("error: this bench needs two cores (one per emulated device).")
-    if args.steps < 2:
-        sys.exit("error: --steps must be at least 2 (the first step is left out).")
+    if args.steps < 3:
+        sys.exit("error: --steps must be at least 3 (the first and the last step are left out).")
     WORK.mkdir(parents=True, exist_ok=True)
     sync, ahead = run_mode(args, 0), run_mode(args, 1)
     sample, train = mean(sync, "seconds_sample") + mean(sync, "seconds_score"), mean(sync, "seconds_train")
     push = mean(sync, "seconds_sync")
     rows = [("--async_steps 0", sync), ("--async_steps 1", ahead)]
-    print(f"\nSeconds per RL step, steps 2-{args.steps}, sampler on core {SAMPLER_CORE}, learner on core {LEARNER_CORE} "
+    print(f"\nSeconds per RL step, steps 2-{args.steps - 1}, sampler on core {SAMPLER_CORE}, learner on core {LEARNER_CORE} "
           f"({args.max_tokens} tokens x 32 responses per step)\n")
     print("| mode | s/step | sample+score | train | push | waited for the batch | policy lag |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
