@@ -5,7 +5,10 @@ parsing, so a bad combination fails before any model is loaded. transformers' Hf
 dataclass -> argparse work (bools become `--flag` / `--no_flag`).
 """
 
-from dataclasses import asdict, dataclass, field
+import difflib
+import math
+import sys
+from dataclasses import asdict, dataclass, field, fields
 
 from transformers import HfArgumentParser
 
@@ -15,15 +18,74 @@ def arg(default, help: str):
 
 
 def parse(cls, argv=None):
-    """Parse argv into `cls`, run its cross-field check, and exit with one clear sentence if it fails."""
+    """Parse argv into `cls`, check every number's range and the cross-field rules, and end a bad command
+    line with one sentence (`error: ...`, exit status 2) before any work starts."""
     parser = HfArgumentParser(cls)
     parser.description = cls.__doc__
-    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    parser.error = _fail  # argparse's own complaints (a bad int, a missing value) as one line too
+    args, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     try:
+        if unknown:
+            raise ValueError(_unknown_flag(unknown, cls))
+        check_numbers(args)
         args.check()
     except ValueError as e:
-        parser.error(str(e))
+        _fail(str(e))
     return args
+
+
+def _fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _unknown_flag(unknown: list[str], cls) -> str:
+    """What to say about the first command-line word `cls` has no flag for: a flag of another script, a
+    near miss of one of its own, or a stray word."""
+    word = unknown[0]
+    if not word.startswith("--"):
+        return f"unexpected argument {word!r}: every option is a --flag (see --help)."
+    name = word[2:].split("=")[0]
+    own = [f.name for f in fields(cls)] + [f"no_{f.name}" for f in fields(cls) if f.type in (bool, "bool")]
+    for script, other in SCRIPTS.items():
+        if other is not cls and name in {f.name for f in fields(other)}:
+            return f"--{name} is a flag of alignment.{script}, not of this script (see --help)."
+    guess = difflib.get_close_matches(name, own, n=1)
+    return f"unknown flag --{name}" + (f"; did you mean --{guess[0]}?" if guess else " (see --help).")
+
+
+# The range of every number a script takes, by name (the same name means the same kind of number in every
+# script). check_numbers refuses anything outside it before any work starts; a test keeps every numeric
+# field listed here.
+POSITIVE = {"delethink_chunk_size", "delethink_max_turns", "tool_timeout", "gpu_memory_utilization", "kv_cache_gib",
+            "vllm_max_model_len", "rg_size", "group_size", "rollout_batch_size", "train_batch_size",
+            "train_mini_batch_size", "epochs_per_rollout_batch", "cliprange", "cliprange_high", "advantage_eps",
+            "rollout_is_threshold", "critic_learning_rate", "cliprange_value", "max_sampling_rounds",
+            "sampling_temperature", "sampling_top_p", "sampling_max_tokens", "learning_rate", "max_grad_norm",
+            "n_steps", "eval_max_tokens", "sample_batch_size", "epochs", "batch_size", "microbatch_size", "lr",
+            "eval_batch_size", "n_samples", "top_p", "max_tokens"}
+AT_LEAST_ZERO = {"delethink_carryover", "delethink_keep_head", "max_tool_calls", "exec_penalty", "gamma", "lam",
+                 "kl_coef", "entropy_coef", "async_steps", "value_loss_coef", "critic_warmup_steps", "filter_low",
+                 "filter_high", "sampling_min_tokens", "weight_decay", "eval_every", "eval_limit", "save_every",
+                 "log_rollouts", "seed", "max_examples", "max_response_tokens", "warmup_ratio", "limit", "temperature"}
+AT_MOST_ONE = {"gamma", "lam", "filter_low", "filter_high", "warmup_ratio", "gpu_memory_utilization", "sampling_top_p",
+               "top_p"}
+
+
+def check_numbers(args):
+    """Every number within its range (POSITIVE, AT_LEAST_ZERO, AT_MOST_ONE) and finite; None means unset."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value):
+            raise ValueError(f"--{f.name} must be a finite number, not {value}.")
+        if f.name in POSITIVE and value <= 0:
+            raise ValueError(f"--{f.name} must be greater than 0, not {value}.")
+        if f.name in AT_LEAST_ZERO and value < 0:
+            raise ValueError(f"--{f.name} must be 0 or more, not {value}.")
+        if f.name in AT_MOST_ONE and value > 1:
+            raise ValueError(f"--{f.name} is a fraction: at most 1, not {value}.")
 
 
 def to_dict(args) -> dict:
@@ -265,6 +327,10 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
             raise ValueError("--rollout_mode tir needs --prompt tir (the prompt that tells the model it can run code).")
         if self.max_sampling_rounds < 1:
             raise ValueError("--max_sampling_rounds must be at least 1.")
+        if self.save_every < 1:
+            raise ValueError("--save_every must be at least 1: RL checkpoints every N steps and at the end.")
+        if self.eval_every and not self.eval_limit:
+            raise ValueError("--eval_limit 0 leaves nothing to evaluate: raise it, or turn evaluation off with --eval_every 0.")
         if not 0 < self.sampling_top_p <= 1 or self.sampling_temperature <= 0:
             raise ValueError("rollouts need --sampling_temperature > 0 and --sampling_top_p in (0, 1].")
 
@@ -307,3 +373,6 @@ class SFTArgs(RunArgs, SamplerArgs):
             raise ValueError("--warmup_ratio must be in [0, 1).")
         if self.eval_every < 0 or self.save_every < 0 or self.eval_limit < 0:
             raise ValueError("--eval_every, --save_every and --eval_limit must be 0 or positive.")
+
+
+SCRIPTS = {"evaluate": EvalArgs, "sft": SFTArgs, "train_rl": RLArgs}  # for "a flag of another script"

@@ -13,6 +13,7 @@ import json
 import os
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 
 from alignment.drgrpo_grader import extract_gsm8k_answer
@@ -95,7 +96,9 @@ def load_math_style(name: str, data_dir: str | None = None) -> list[dict]:
 def load_reasoning_gym(spec: str, size: int, seed: int) -> list[dict]:
     """Procedural problems from the reasoning-gym package (offline, seeded). `spec` is a task name,
     optionally followed by its config fields: `chain_sum` or `chain_sum:max_terms=3,max_digits=2`."""
-    import reasoning_gym
+    with warnings.catch_warnings():  # some of its dependencies' modules compile with SyntaxWarnings (`is` with a literal)
+        warnings.simplefilter("ignore", SyntaxWarning)
+        import reasoning_gym
     task, _, options = spec.partition(":")
     config = {}
     for option in filter(None, options.split(",")):

@@ -23,6 +23,7 @@ from alignment.args import EvalArgs, parse, to_dict
 from alignment.errors import cli
 from alignment.drgrpo_grader import extract_boxed, extract_last_number, normalize, question_only_reward_fn, r1_zero_reward_fn
 from alignment.rollout import traces
+from alignment.run import writable_folder
 from alignment.sampling import SamplingParams, make_sampler, pick_backend
 
 # rollout mode -> its generate function; picked once, by name
@@ -126,6 +127,8 @@ def main(args: EvalArgs) -> dict:
     print(f"[evaluate] {args.model} on {args.dataset} {args.split}: {len(subset)} of {len(rows)} problems{why}, "
           f"{args.prompt} prompt, {decoding}, n={args.n_samples}, max {args.max_tokens} tokens, {backend} on {device}, "
           f"precision {models.resolve_precision(args.precision, device)} ({args.precision})")
+    out = writable_folder(args.output_dir or f"outputs/eval/{Path(args.model).name}-"
+                          f"{re.sub(r'[^A-Za-z0-9._=-]+', '_', args.dataset)}-{time.strftime('%Y%m%d-%H%M%S')}")
     torch.manual_seed(args.seed)
     tokenizer = models.load_tokenizer(args.model)
     model = models.load_model(args.model, device, models.default_dtype(device, args.precision)) if backend == "hf" else None
@@ -135,8 +138,6 @@ def main(args: EvalArgs) -> dict:
                             max_tokens=args.max_tokens, seed=args.seed)
     summary, records = evaluate(sampler, tokenizer, subset, args.prompt, params, args.chat_template,
                                 args.rollout_mode, mode_args=args)
-    out = Path(args.output_dir or f"outputs/eval/{Path(args.model).name}-{re.sub(r'[^A-Za-z0-9._=-]+', '_', args.dataset)}-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.jsonl", "w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
@@ -144,6 +145,10 @@ def main(args: EvalArgs) -> dict:
     for key, value in summary.items():
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
     print(f"[evaluate] wrote {out}/results.jsonl and summary.json")
+    if summary["avg_format_rewards"] == 0 and args.prompt == "r1_zero":
+        print("[evaluate] no answer used the r1_zero format (</think> <answer> ... </answer>), so none could be "
+              "graded: a model not trained on it (such as the packaged SmolLM2) needs SFT first: "
+              "`uv run -m alignment.sft`, then `uv run -m alignment.evaluate --model checkpoints/math_sft`.")
     return summary
 
 

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
                           LlamaForCausalLM)
 
@@ -155,10 +156,11 @@ def _from_pretrained(loader, path: str, **kwargs):
     becomes one sentence instead of transformers' long network error."""
     try:
         return loader.from_pretrained(path, **kwargs)
-    except OSError as e:
-        if os.path.isdir(path):
-            raise
+    except (OSError, json.JSONDecodeError, SafetensorError) as e:
         reason = str(e).strip().splitlines()[0][:160]
+        if os.path.isdir(path):  # a file cut off by a crash or a partial copy
+            raise UserError(f"the model folder {path} cannot be read ({type(e).__name__}: {reason}); a file in it "
+                            f"looks damaged or incomplete: save or copy it again, or pass another --model.") from None
         raise UserError(f"model {path!r} is not a local folder or a packaged model ({', '.join(PACKAGED_MODELS)}) and "
                         f"could not be fetched from the Hugging Face hub ({reason}); pass a local HF folder such as "
                         f"checkpoints/math_sft, or smollm2-135m.") from None

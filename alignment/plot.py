@@ -7,10 +7,10 @@ Panels: reward (training rollouts and evaluation), format and answer rates, resp
 """
 
 import argparse
-import json
 from pathlib import Path
 
 from alignment.errors import MissingFileError, cli
+from alignment.run import read_jsonl
 
 PANELS = [
     ("reward", [("reward", "train reward"), ("eval_avg_all_rewards", "eval reward")]),
@@ -35,7 +35,7 @@ def plot(run_dirs, out: str | Path | None = None) -> Path:
         path = run_dir / "metrics.jsonl"
         if not path.exists():
             raise MissingFileError(f"{path} does not exist; pass a run folder written by alignment.train_rl or alignment.sft.")
-        runs.append((run_dir.name, [json.loads(line) for line in open(path)]))
+        runs.append((run_dir.name, read_jsonl(path)))
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
     for ax, (title, series) in zip(axes, PANELS):
         for run_index, (name, records) in enumerate(runs):

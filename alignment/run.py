@@ -17,10 +17,14 @@ nothing (a checkpoint save still runs on every rank: gathering sharded weights i
 training loops read the same in one process and under torchrun.
 """
 
+import contextlib
 import json
 import math
+import pickle
 import random
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -44,18 +48,19 @@ class Run:
         self.dir = Path(distributed.gather_objects(args.resume or args.output_dir or default_dir)[0])
         self.checkpoint = self.dir / "checkpoint"
         self.state = self._resume_state(set(resumable) | ALWAYS_RESUMABLE) if args.resume else None
-        if not args.resume and _holds_anything(self.dir) and not args.overwrite:
+        if not args.resume and _holds_a_run(self.dir) and not args.overwrite:
             raise UserError(f"{self.dir} already holds a run: continue it with --resume {self.dir}, start over with "
                             f"--overwrite, or choose another --output_dir.")
         distributed.barrier()
         # the model the run started from: the KL reference in RL, and what a resume reports
         self.start_model = self.state["start_model"] if self.state else start_model
         self.start_step = self.state["step"] if self.state else 0
+        self.signal = 0  # set by the first Ctrl-C or SIGTERM inside stop_on_signal()
         self.logger = _NullLogger()
         if self.main:
             if args.overwrite:
                 shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir.mkdir(parents=True, exist_ok=True)
+            writable_folder(self.dir)  # an output path that cannot be written fails now, not after the work
             for name in ("metrics.jsonl", "rollouts.jsonl"):  # a crash after the checkpoint wrote these again
                 _truncate_jsonl(self.dir / name, self.start_step)
             config = {**to_dict(args), "start_model": self.start_model}
@@ -84,7 +89,7 @@ class Run:
                 _append_jsonl(self.dir / "rollouts.jsonl", {"step": step, **record})
 
     def metrics(self) -> list[dict]:
-        return _read_jsonl(self.dir / "metrics.jsonl")
+        return read_jsonl(self.dir / "metrics.jsonl")
 
     def save(self, step: int, model, tokenizer, optimizer, state: dict | None = None, submodels: dict | None = None):
         """Checkpoint atomically (every rank calls it): weights, optimizer, the step, the RNG states and the
@@ -93,6 +98,36 @@ class Run:
                          "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
         models.save_checkpoint(model, tokenizer, self.checkpoint, config=to_dict(self.args), optimizer=optimizer,
                                extra={STATE_FILE: trainer_state}, submodels=submodels)
+
+    @contextlib.contextmanager
+    def stop_on_signal(self):
+        """Inside: the first Ctrl-C or SIGTERM asks the loop to stop after the step it is in (the loop asks
+        `stop_requested()`, saves, and calls `stopped()`); a second one stops at once."""
+        if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame):
+        if self.signal:
+            raise KeyboardInterrupt
+        self.signal = signum
+        tqdm.write(f"[run] {signal.Signals(signum).name}: stopping after this step, with a checkpoint "
+                   f"(press Ctrl-C again to stop at once, losing the step)")
+
+    def stop_requested(self) -> bool:
+        """Whether a signal asked the run to stop, on any rank (a collective under torchrun: all stop together)."""
+        return distributed.global_max(self.signal) > 0
+
+    def stopped(self, step: int):
+        """End the program after the loop saved step `step`: say how to go on, exit 128 + the signal."""
+        self.say(f"[run] stopped after step {step}; checkpoint saved: continue with --resume {self.dir}")
+        raise SystemExit(128 + int(distributed.global_max(self.signal)))
 
     def restore(self, model, optimizer) -> dict | None:
         """When resuming: load the optimizer's state and the RNG states; return the saved trainer state."""
@@ -115,11 +150,29 @@ class Run:
         if changed:
             raise UserError(f"resume with the flags of the original run; these differ: {', '.join(changed)} "
                             f"(see {self.checkpoint / 'run_config.json'}).")
-        return torch.load(self.checkpoint / STATE_FILE, weights_only=False)
+        try:
+            return torch.load(self.checkpoint / STATE_FILE, weights_only=False)
+        except (EOFError, RuntimeError, pickle.UnpicklingError) as e:
+            raise UserError(f"{self.checkpoint / STATE_FILE} is damaged ({e}); the run cannot continue from it: "
+                            f"start over with --overwrite, or copy a good checkpoint/ into {self.dir}.") from None
 
 
-def _holds_anything(folder: Path) -> bool:
-    return folder.is_dir() and any(folder.iterdir())
+def writable_folder(path) -> Path:
+    """Create `path` (with its parents) and check that a file can be written in it."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"cannot write to {path} ({e.strerror or e}): choose another output folder.") from None
+    return path
+
+
+def _holds_a_run(folder: Path) -> bool:
+    """Anything but the config.json of a run that failed before its first step (nothing to lose there)."""
+    return folder.is_dir() and any(p.name != "config.json" for p in folder.iterdir())
 
 
 class _NullLogger:
@@ -151,11 +204,23 @@ def _append_jsonl(path: Path, record: dict):
         f.write(json.dumps(record) + "\n")
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in open(path)] if path.exists() else []
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL file; a last line cut off by a crash mid-write is left out, a bad line
+    anywhere else is an error that names it."""
+    if not Path(path).exists():
+        return []
+    lines = Path(path).read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise UserError(f"line {number} of {path} is not JSON; fix or delete that line.") from None
+    return records
 
 
 def _truncate_jsonl(path: Path, step: int):
     """Keep the records of steps up to `step` (none for a new run)."""
     if path.exists():
-        path.write_text("".join(json.dumps(r) + "\n" for r in _read_jsonl(path) if r["step"] <= step))
+        path.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(path) if r["step"] <= step))

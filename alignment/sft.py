@@ -159,31 +159,36 @@ def main(args: SFTArgs) -> dict:
     start_time = time.perf_counter()
     bar = tqdm(range(run.start_step, total_steps), initial=run.start_step, total=total_steps, desc="sft", unit="step",
                disable=not run.main)
-    for step in bar:
-        step_start = time.perf_counter()
-        batch = [examples[i] for i in batch_indices(step, len(examples), args.batch_size, args.seed)]
-        batch.sort(key=lambda e: len(e["prompt"]) + len(e["response"]))  # less padding per microbatch
-        batch = batch[distributed.rank()::world]  # this rank's share (all of it in one process)
-        optimizer.zero_grad(set_to_none=True)
-        counts = accumulate_gradients(model, tokenizer, batch, args.microbatch_size, accumulation, input_device, autocast)
-        grad_norm = distributed.grad_norm_and_clip(model, args.max_grad_norm)
-        nll, n_response_tokens, n_tokens = distributed.global_sums(counts)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        push.policy_changed()
-        seconds = time.perf_counter() - step_start
-        record = {"step": step + 1, "loss": nll / max(n_response_tokens, 1), "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": n_tokens / seconds, "response_tokens": n_response_tokens, "seconds": seconds}
-        run.log(record)
-        run.say(f"step {step + 1}/{total_steps} | loss {record['loss']:.3f} | lr {lr:.1e} | grad "
-                f"{grad_norm:.2f} | tok/s {record['tokens_per_s']:.0f} | {seconds:.1f}s")
-        done = step + 1 == total_steps
-        if done or (args.eval_every and (step + 1) % args.eval_every == 0):
-            last_eval = evaluate_and_log(step + 1)
-        if done or (args.save_every and (step + 1) % args.save_every == 0):
-            run.save(step + 1, model, tokenizer, optimizer, {"scheduler": scheduler.state_dict(),
-                                                             "examples_seen": (step + 1) * args.batch_size})
+    with run.stop_on_signal():  # the first Ctrl-C or SIGTERM ends the run after this step, saved
+        for step in bar:
+            step_start = time.perf_counter()
+            batch = [examples[i] for i in batch_indices(step, len(examples), args.batch_size, args.seed)]
+            batch.sort(key=lambda e: len(e["prompt"]) + len(e["response"]))  # less padding per microbatch
+            batch = batch[distributed.rank()::world]  # this rank's share (all of it in one process)
+            optimizer.zero_grad(set_to_none=True)
+            counts = accumulate_gradients(model, tokenizer, batch, args.microbatch_size, accumulation, input_device,
+                                          autocast)
+            grad_norm = distributed.grad_norm_and_clip(model, args.max_grad_norm)
+            nll, n_response_tokens, n_tokens = distributed.global_sums(counts)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            push.policy_changed()
+            seconds = time.perf_counter() - step_start
+            record = {"step": step + 1, "loss": nll / max(n_response_tokens, 1), "lr": lr, "grad_norm": grad_norm,
+                      "tokens_per_s": n_tokens / seconds, "response_tokens": n_response_tokens, "seconds": seconds}
+            run.log(record)
+            run.say(f"step {step + 1}/{total_steps} | loss {record['loss']:.3f} | lr {lr:.1e} | grad "
+                    f"{grad_norm:.2f} | tok/s {record['tokens_per_s']:.0f} | {seconds:.1f}s")
+            done = step + 1 == total_steps
+            if done or (args.eval_every and (step + 1) % args.eval_every == 0):
+                last_eval = evaluate_and_log(step + 1)
+            stop = run.stop_requested()  # Ctrl-C or SIGTERM: checkpoint this step, then end
+            if stop or done or (args.save_every and (step + 1) % args.save_every == 0):
+                run.save(step + 1, model, tokenizer, optimizer, {"scheduler": scheduler.state_dict(),
+                                                                 "examples_seen": (step + 1) * args.batch_size})
+            if stop:
+                run.stopped(step + 1)
     bar.close()
     elapsed = time.perf_counter() - start_time
     run.say(f"[sft] {total_steps - run.start_step} steps in {elapsed:.0f}s; saved {run.checkpoint} (evaluate with "

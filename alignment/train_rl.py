@@ -133,6 +133,8 @@ def main(args: RLArgs) -> dict:
         source.wait()  # the sampler and the grader are the loop's again
         push(m.eval_sampler)
         if run.main:
+            run.say(f"eval  {step}/{args.n_steps} | {len(eval_rows)} {eval_name} questions, greedy, up to "
+                    f"{args.eval_max_tokens} tokens each ...")
             m.policy.eval()
             with m.autocast:
                 summary, _ = evaluate(m.eval_sampler, m.tokenizer, eval_rows, args.prompt,
@@ -148,38 +150,43 @@ def main(args: RLArgs) -> dict:
         run_eval(0)
     bar = tqdm(range(run.start_step, args.n_steps), desc="rl", unit="step", initial=run.start_step,
                total=args.n_steps, disable=not run.main)
-    for step in bar:
-        # 1-2. Sample and score groups until the batch holds enough informative ones (one round without
-        # dynamic sampling); one step ahead, this step's batch was sampled while the last step trained.
-        step_start = time.perf_counter()
-        m.policy.eval()
-        with contextlib.nullcontext() if args.async_steps else m.autocast:  # async: the sampler is a copy
-            batch = source.take(step)
-        times = dict(batch.seconds)  # sample, score (async: in the background; wait and sync in the loop)
+    with run.stop_on_signal():  # the first Ctrl-C or SIGTERM ends the run after this step, saved
+        for step in bar:
+            # 1-2. Sample and score groups until the batch holds enough informative ones (one round without
+            # dynamic sampling); one step ahead, this step's batch was sampled while the last step trained.
+            step_start = time.perf_counter()
+            m.policy.eval()
+            with contextlib.nullcontext() if args.async_steps else m.autocast:  # async: the sampler is a copy
+                batch = source.take(step)
+            times = dict(batch.seconds)  # sample, score (async: in the background; wait and sync in the loop)
 
-        # 3. Before any update: old/reference log-probs, values and advantages. Then the update.
-        start, train = time.perf_counter(), _Means()
-        if distributed.global_sum(len(batch.traces)):  # every rank joins the update if any kept a group
-            experience = build_experience(args, batch, m.policy, m.reference, m.critic, m.autocast)
-            train.update(experience.metrics)
-            bad_steps = _update(args, m, experience, len(batch.traces) // args.group_size, step, train, push, bad_steps,
-                                run.checkpoint)
-        times["train"] = time.perf_counter() - start
-        times["sync"] = times.get("sync", 0.0) + source.after_update()
-        times["step"] = time.perf_counter() - step_start  # the step's wall time, evaluation and checkpoint aside
+            # 3. Before any update: old/reference log-probs, values and advantages. Then the update.
+            start, train = time.perf_counter(), _Means()
+            if distributed.global_sum(len(batch.traces)):  # every rank joins the update if any kept a group
+                experience = build_experience(args, batch, m.policy, m.reference, m.critic, m.autocast)
+                train.update(experience.metrics)
+                bad_steps = _update(args, m, experience, len(batch.traces) // args.group_size, step, train, push,
+                                    bad_steps, run.checkpoint)
+            times["train"] = time.perf_counter() - start
+            times["sync"] = times.get("sync", 0.0) + source.after_update()
+            times["step"] = time.perf_counter() - step_start  # the step's wall time, evaluation and checkpoint aside
 
-        # 4. Log, write a few full rollouts, evaluate, checkpoint.
-        metrics = {"step": step + 1, **batch.metrics, "policy_lag": step - batch.policy_version, **train.means(),
-                   **{f"seconds_{k}": v for k, v in times.items()}}
-        run.log(metrics)
-        run.log_rollouts(step + 1, batch.samples[:args.log_rollouts])
-        run.say(_log_line(metrics, args.n_steps))
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.n_steps):
-            run_eval(step + 1)
-        if (step + 1) % args.save_every == 0 or step + 1 == args.n_steps:
-            critic = {"critic_optimizer": m.critic_optimizer.state_dict()} if m.critic is not None else {}
-            run.save(step + 1, m.policy, m.tokenizer, m.optimizer, {"bad_steps": bad_steps, **source.state(), **critic},
-                     submodels={"critic": m.critic} if m.critic is not None else None)
+            # 4. Log, write a few full rollouts, evaluate, checkpoint.
+            metrics = {"step": step + 1, **batch.metrics, "policy_lag": step - batch.policy_version, **train.means(),
+                       **{f"seconds_{k}": v for k, v in times.items()}}
+            run.log(metrics)
+            run.log_rollouts(step + 1, batch.samples[:args.log_rollouts])
+            run.say(_log_line(metrics, args.n_steps))
+            if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.n_steps):
+                run_eval(step + 1)
+            stop = run.stop_requested()  # Ctrl-C or SIGTERM: checkpoint this step, then end
+            if stop or (step + 1) % args.save_every == 0 or step + 1 == args.n_steps:
+                critic = {"critic_optimizer": m.critic_optimizer.state_dict()} if m.critic is not None else {}
+                run.save(step + 1, m.policy, m.tokenizer, m.optimizer,
+                         {"bad_steps": bad_steps, **source.state(), **critic},
+                         submodels={"critic": m.critic} if m.critic is not None else None)
+            if stop:
+                run.stopped(step + 1)
     bar.close()
     return {"run_dir": str(run.dir), "last_metrics": run.metrics()[-1:]}
 

@@ -1,0 +1,157 @@
+"""Bad input, class by class, as a new user meets it: each ends in one sentence (`error: ...`, exit status 2)
+before any long work, and an interrupted run keeps what it did."""
+
+import dataclasses
+import os
+import signal
+
+import pytest
+import torch
+
+from alignment import evaluate, models, plot, sft, train_rl
+from alignment.args import AT_LEAST_ZERO, AT_MOST_ONE, POSITIVE, SCRIPTS, EvalArgs, RLArgs, SFTArgs, parse
+from alignment.errors import UserError
+from alignment.run import Run, read_jsonl
+from tests.conftest import parity_reward
+from tests.test_sft import tiny_args as tiny_sft_args
+from tests.test_train_rl import tiny_args
+
+
+def one_error_line(capsys, cls, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse(cls, argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err and err.startswith("error: "), err
+    return err
+
+
+def numeric_fields(cls):
+    return [f for f in dataclasses.fields(cls) if any(t in str(f.type) for t in ("int", "float"))]
+
+
+@pytest.mark.parametrize("cls", list(SCRIPTS.values()))
+def test_every_number_has_a_range_and_one_outside_it_is_refused_by_name(cls, capsys):
+    for f in numeric_fields(cls):
+        assert f.name in POSITIVE | AT_LEAST_ZERO, f"--{f.name} has no declared range in alignment/args.py"
+        bad = "0" if f.name in POSITIVE else "-1"
+        assert f"--{f.name} " in one_error_line(capsys, cls, [f"--{f.name}", bad])
+        if f.name in AT_MOST_ONE:
+            assert "at most 1" in one_error_line(capsys, cls, [f"--{f.name}", "1.5"])
+        if "float" in str(f.type):
+            assert "finite" in one_error_line(capsys, cls, [f"--{f.name}", "nan"])
+
+
+def test_unknown_flags_and_stray_words_say_what_was_meant(capsys):
+    assert "did you mean --n_steps?" in one_error_line(capsys, RLArgs, ["--n_stepz", "3"])
+    assert "--lr is a flag of alignment.sft" in one_error_line(capsys, RLArgs, ["--lr", "1e-3"])
+    assert "--loss_type is a flag of alignment.train_rl" in one_error_line(capsys, SFTArgs, ["--loss_type", "gspo"])
+    assert "every option is a --flag" in one_error_line(capsys, EvalArgs, ["gsm8k"])
+    assert "invalid int value" in one_error_line(capsys, RLArgs, ["--n_steps", "many"])
+    assert "--save_every must be at least 1" in one_error_line(capsys, RLArgs, ["--save_every", "0"])
+
+
+def test_an_output_path_that_cannot_be_written_fails_before_the_work(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the output folder was checked")
+    monkeypatch.setattr(models, "load_tokenizer", no_model)
+    with pytest.raises(UserError, match="cannot write to"):
+        evaluate.main(EvalArgs(model=tiny_model_dir, limit=2, max_tokens=2, output_dir=str(blocker / "eval")))
+    with pytest.raises(UserError, match="cannot write to"):
+        train_rl.main(tiny_args(tiny_model_dir, blocker / "rl"))
+    with pytest.raises(UserError, match="cannot write to"):
+        sft.main(tiny_sft_args(tiny_model_dir, blocker / "sft"))
+
+
+def test_a_run_that_failed_before_its_first_step_does_not_block_the_next(tmp_path):
+    args = RLArgs(output_dir=str(tmp_path / "run"))
+    Run(args, "unused", "start-model")  # wrote config.json, then (say) the data failed to load
+    Run(args, "unused", "start-model")  # the same command again: nothing there to lose
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(UserError, match="already holds a run"):
+        Run(args, "unused", "start-model")
+
+
+def test_damaged_files_end_in_one_sentence(tiny_model_dir, tmp_path, parity):
+    import shutil
+    for name in ("config.json", "model.safetensors"):
+        damaged = tmp_path / f"model-{name}"
+        shutil.copytree(tiny_model_dir, damaged)
+        path = damaged / name
+        path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+        with pytest.raises(UserError, match="looks damaged or incomplete"):
+            models.load_model(str(damaged))
+
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1))
+    state = tmp_path / "run" / "checkpoint" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(UserError, match="trainer_state.pt is damaged"):
+        train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2, resume=str(tmp_path / "run")))
+
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + '{"step": 2, "rew')  # a crash cut the last line off mid-write
+    assert len(read_jsonl(metrics)) == len(whole.splitlines())
+    plot.plot(tmp_path / "run", tmp_path / "curves.png")
+    metrics.write_text('{"step": 1, "rew\n' + whole)
+    with pytest.raises(UserError, match="line 1 of .* is not JSON"):
+        plot.plot(tmp_path / "run", tmp_path / "curves.png")
+
+
+def send_at_call(signum, calls_before):
+    """A reward function that sends this process `signum` at its call number `calls_before` + 1."""
+    calls = {"n": 0}
+
+    def reward(text, ground_truth):
+        calls["n"] += 1
+        if calls["n"] == calls_before + 1:
+            os.kill(os.getpid(), signum)
+        return parity_reward(text, ground_truth)
+    return reward
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_rl_after_its_step_with_a_checkpoint_and_resume_goes_on(tiny_model_dir, tmp_path, parity,
+                                                                             monkeypatch, signum):
+    whole = tiny_args(tiny_model_dir, tmp_path / "whole", n_steps=3, save_every=10)
+    train_rl.main(whole)
+    monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (send_at_call(signum, whole.rollout_batch_size), ()))
+    with pytest.raises(SystemExit) as exit_info:  # the signal arrives while step 2 is scored
+        train_rl.main(tiny_args(tiny_model_dir, tmp_path / "stopped", n_steps=3, save_every=10))
+    assert exit_info.value.code == 128 + signum
+    assert [m["step"] for m in read_jsonl(tmp_path / "stopped" / "metrics.jsonl")] == [1, 2]
+    assert torch.load(tmp_path / "stopped" / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
+
+    monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (parity_reward, ()))
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "stopped", n_steps=3, save_every=10,
+                            resume=str(tmp_path / "stopped")))
+    a = models.load_model(str(tmp_path / "whole" / "checkpoint"))
+    b = models.load_model(str(tmp_path / "stopped" / "checkpoint"))
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, msg=name)
+
+
+def test_a_signal_stops_sft_after_its_step_with_a_checkpoint(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    real = sft.accumulate_gradients
+    calls = {"n": 0}
+
+    def interrupted_in_step_2(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sft, "accumulate_gradients", interrupted_in_step_2)
+    with pytest.raises(SystemExit) as exit_info:
+        sft.main(tiny_sft_args(tiny_model_dir, tmp_path / "sft", epochs=2))  # 4 steps
+    assert exit_info.value.code == 128 + signal.SIGINT
+    assert torch.load(tmp_path / "sft" / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 2
+
+
+def test_evaluate_says_why_the_format_reward_is_zero(tiny_model_dir, data_dir, tmp_path, capsys):
+    summary = evaluate.main(EvalArgs(model=tiny_model_dir, limit=2, max_tokens=3, output_dir=str(tmp_path / "eval"),
+                                     precision="fp32"))
+    assert summary["avg_format_rewards"] == 0
+    assert "needs SFT first" in capsys.readouterr().out
