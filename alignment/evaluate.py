@@ -59,14 +59,20 @@ def extract_answer(response: str, prompt_name: str) -> str | None:
 
 
 def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: SamplingParams | None = None,
-             chat_template: bool = False, rollout_mode: str = "standard", mode_args=None) -> tuple[dict, list[dict]]:
-    """Generate for every row with the given rollout mode, grade each trace, and return (summary, records)."""
+             chat_template: bool = False, rollout_mode: str = "standard", mode_args=None,
+             progress: bool = False) -> tuple[dict, list[dict]]:
+    """Generate for every row with the given rollout mode, grade each trace, and return (summary, records).
+    `progress` shows the sampler's progress bar meanwhile (a sampler made with progress=True always does)."""
     reward_fn, stop = PROMPT_SETTINGS[prompt_name]
     params = params or SamplingParams(temperature=0.0, max_tokens=256)
     params = dataclasses.replace(params, stop=tuple(params.stop) or stop)
     texts, prompt_ids = build_prompts(tokenizer, rows, prompt_name, chat_template)
-    start = time.perf_counter()
-    all_traces = traces(ROLLOUT_MODES[rollout_mode](sampler, tokenizer, prompt_ids, params, mode_args))
+    start, shown = time.perf_counter(), getattr(sampler, "progress", False)
+    sampler.progress = shown or progress
+    try:
+        all_traces = traces(ROLLOUT_MODES[rollout_mode](sampler, tokenizer, prompt_ids, params, mode_args))
+    finally:
+        sampler.progress = shown
     seconds = time.perf_counter() - start
     records = []
     for trace in all_traces:

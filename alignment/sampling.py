@@ -121,18 +121,19 @@ class HFSampler:
         order = sorted(range(len(prompt_token_ids)), key=lambda i: len(prompt_token_ids[i]))
         per_chunk = max(1, self.batch_size // params.n)  # prompts per forward batch
         results: dict[int, list[Completion]] = {}
-        bar = tqdm(total=len(order), desc="generating", unit="prompt", disable=not self.progress, leave=False)
+        # counts answers as they finish, so a long batch shows its progress too
+        bar = tqdm(total=len(order) * params.n, desc="generating", unit="answer", disable=not self.progress,
+                   leave=False)
         for start in range(0, len(order), per_chunk):
             chunk = order[start:start + per_chunk]
             seeds = [derive_seed(base, keys[i], child) for i in chunk for child in range(params.n)]
-            outs = self._generate_batch([prompt_token_ids[i] for i in chunk], params, seeds)
+            outs = self._generate_batch([prompt_token_ids[i] for i in chunk], params, seeds, bar)
             for k, i in enumerate(chunk):
                 results[i] = outs[k * params.n:(k + 1) * params.n]
-            bar.update(len(chunk))
         bar.close()
         return [results[i] for i in range(len(prompt_token_ids))]
 
-    def _generate_batch(self, prompts, params, seeds) -> list[Completion]:
+    def _generate_batch(self, prompts, params, seeds, bar) -> list[Completion]:
         device, n = self.model.device, params.n
         generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]  # one stream per request
         width = max(len(p) for p in prompts)
@@ -172,7 +173,9 @@ class HFSampler:
                         finish[slot] = ("stop", hit)
                 if finish[slot] is None:
                     keep.append(r)
+            bar.update(len(rows) - len(keep))
             if not keep or step + 1 == params.max_tokens:
+                bar.update(len(keep))
                 break
             if len(keep) < len(rows):  # finished rows leave the batch
                 index = torch.tensor(keep, device=device)

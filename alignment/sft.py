@@ -63,6 +63,20 @@ def load_sft_examples(args: SFTArgs, tokenizer=None) -> list[dict]:
     return examples[:args.max_examples] if args.max_examples else examples
 
 
+def load_eval_rows(args: SFTArgs) -> list[dict]:
+    """The first --eval_limit test problems of --eval_dataset (none with --eval_limit 0)."""
+    if not args.eval_limit:
+        return []
+    try:
+        return data.load_dataset(args.eval_dataset, "test", args.data_dir, size=args.eval_limit,
+                                 seed=args.seed)[:args.eval_limit]
+    except MissingFileError as e:
+        if not args.train_file:
+            raise
+        raise MissingFileError(f"SFT evaluates on {args.eval_dataset} test, which is missing ({e}); to train on "
+                               f"--train_file alone, pass --eval_limit 0 or another --eval_dataset.") from e
+
+
 def batch_indices(step: int, n_examples: int, batch_size: int, seed: int) -> list[int]:
     """The examples of optimizer step `step`: a fresh seeded shuffle each epoch (the last partial batch
     is dropped), so the data order depends only on (seed, step) and a resumed run sees the same batches."""
@@ -86,7 +100,7 @@ def run_eval(model, sampler, tokenizer, rows, args: SFTArgs, autocast) -> tuple[
     model.eval()
     params = SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens, seed=args.seed)
     with autocast:
-        summary, records = evaluate(sampler, tokenizer, rows, "r1_zero", params)
+        summary, records = evaluate(sampler, tokenizer, rows, "r1_zero", params, progress=True)
     model.train()
     return summary, records
 
@@ -115,7 +129,7 @@ def main(args: SFTArgs) -> dict:
     total_steps = (len(examples) // args.batch_size) * args.epochs
     warmup_steps = max(1, round(args.warmup_ratio * total_steps))
     accumulation = args.batch_size // world // args.microbatch_size  # microbatches per rank and step
-    eval_rows = data.load_gsm8k("test", args.data_dir)[:args.eval_limit]
+    eval_rows = load_eval_rows(args)
 
     # Policy: same device logic as RL (one device, or split layer-wise over GPUs; FSDP2-sharded under
     # torchrun). fp32 master weights; on GPU the forward runs in bf16 with gradient checkpointing.
@@ -142,6 +156,8 @@ def main(args: SFTArgs) -> dict:
             f"{run.start_step}; run folder {run.dir}")
 
     def evaluate_and_log(step: int) -> dict | None:  # greedy, on rank 0; the others join the weight gather
+        if not eval_rows:  # --eval_limit 0
+            return None
         push(sampler)
         summary = None
         if run.main:

@@ -139,7 +139,7 @@ def main(args: RLArgs) -> dict:
             with m.autocast:
                 summary, _ = evaluate(m.eval_sampler, m.tokenizer, eval_rows, args.prompt,
                                       SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens),
-                                      args.chat_template, args.rollout_mode, args)
+                                      args.chat_template, args.rollout_mode, args, progress=True)
             run.log({"step": step, **{f"eval_{k}": v for k, v in summary.items()}})
             run.say(f"eval  {step}/{args.n_steps} | {eval_name} x{summary['count']} | format "
                     f"{summary['avg_format_rewards']:.3f} | answer {summary['avg_answer_rewards']:.3f} | reward "

@@ -155,3 +155,43 @@ def test_evaluate_says_why_the_format_reward_is_zero(tiny_model_dir, data_dir, t
                                      precision="fp32"))
     assert summary["avg_format_rewards"] == 0
     assert "needs SFT first" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cls", list(SCRIPTS.values()))
+def test_help_lists_every_flag_once_in_its_section_with_its_default_and_choices(cls, capsys, monkeypatch):
+    from alignment.args import GROUPS
+    monkeypatch.setenv("COLUMNS", "400")  # one line per flag
+    with pytest.raises(SystemExit):
+        parse(cls, ["--help"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    headers = [i for i, line in enumerate(lines) if line and not line.startswith(" ") and line.endswith(":")]
+    titles = [lines[i][:-1] for i in headers]
+    known = [t for t in titles if t in GROUPS]
+    assert known == [t for t in GROUPS if t in known] and len(known) >= 4, titles  # sections in GROUPS' order
+    entries = {}  # line number of a flag -> its whole entry (a long metavar pushes the help to the next line)
+    for i, line in enumerate(lines):
+        if line.startswith("  -"):
+            entries[i] = line
+        elif line.startswith("    ") and entries:
+            entries[max(entries)] += " " + line.strip()
+    for f in dataclasses.fields(cls):
+        found = [(i, e) for i, e in entries.items() if e.split()[0] == f"--{f.name}"]
+        assert len(found) == 1, (f.name, found)
+        where, line = found[0]
+        section = titles[max(k for k, i in enumerate(headers) if i < where)]
+        named = [t for t, names in GROUPS.items() if f.name in names]
+        assert section == (f.metadata.get("group") or (named[0] if named else section))
+        assert line.count("(default:") <= 1
+        if f.default not in (None, False):
+            assert "(default:" in line, line
+        if f.metadata.get("choices"):
+            assert "{" + ",".join(map(str, f.metadata["choices"])) + "}" in line
+
+
+def test_choices_are_checked_by_name_and_hyphens_mean_underscores(capsys):
+    assert "--loss_type 'ppo' is not one of" in one_error_line(capsys, RLArgs, ["--loss_type", "ppo"])
+    assert "--async_steps 2 is not one of 0, 1" in one_error_line(capsys, RLArgs, ["--async_steps", "2"])
+    args = parse(RLArgs, ["--sampling-max-tokens=7", "--no-mask-observations", "--dataset", "rg:a-b"])
+    assert args.sampling_max_tokens == 7 and not args.mask_observations and args.dataset == "rg:a-b"
+    assert "did you mean --rollout_is?" in one_error_line(capsys, RLArgs, ["--rollout_i", "mask"])  # no abbreviations

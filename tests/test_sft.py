@@ -147,3 +147,21 @@ def test_a_used_run_folder_needs_resume_or_overwrite_and_resume_needs_the_same_f
     assert result["start_step"] == 0 and not (tmp_path / "sft" / "stale.txt").exists()
     lines = (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)] == [1]  # the new run's only
+
+
+def test_a_train_file_run_needs_no_gsm8k_and_says_how_to_skip_the_evaluation(tiny_model_dir, tmp_path, monkeypatch):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i} ", "response": f"a{i} </answer>"}) + "\n" for i in range(8)))
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+
+    def offline(*args, **kwargs):
+        raise sft.MissingFileError("could not download gsm8k test.jsonl (no network)")
+    monkeypatch.setattr(sft.data, "download_gsm8k", offline)
+    with pytest.raises(sft.MissingFileError, match="--eval_limit 0 or another --eval_dataset"):
+        sft.main(tiny_args(tiny_model_dir, tmp_path / "a", train_file=str(path), data_dir=str(empty)))
+    result = sft.main(tiny_args(tiny_model_dir, tmp_path / "b", train_file=str(path), data_dir=str(empty), eval_limit=0))
+    assert result["steps"] == 2 and result["first_eval"] is None and result["last_eval"] is None
+    rg = sft.main(tiny_args(tiny_model_dir, tmp_path / "c", train_file=str(path), data_dir=str(empty),
+                            eval_dataset="rg:basic_arithmetic", eval_limit=2))
+    assert rg["last_eval"]["count"] == 2
