@@ -26,7 +26,7 @@ GROUPS = {
                        "max_examples", "max_response_tokens", "limit", "prompt", "chat_template", "seed"),
     "sampling": ("n_samples", "temperature", "top_p", "max_tokens", "group_size", "rollout_batch_size",
                  "sampling_temperature", "sampling_top_p", "sampling_max_tokens", "sampling_min_tokens", "filter_low",
-                 "filter_high", "max_sampling_rounds"),
+                 "filter_high", "max_sampling_rounds", "group_size_max"),
     "algorithm and optimisation": (
         "loss_type", "advantage_estimator", "gamma", "lam", "use_std_normalization", "advantage_eps", "loss_agg_mode",
         "cliprange", "cliprange_high", "kl_coef", "kl_estimator", "kl_in_reward", "entropy_coef", "rollout_is",
@@ -138,7 +138,7 @@ POSITIVE = {"delethink_chunk_size", "delethink_max_turns", "tool_timeout", "gpu_
             "eval_batch_size", "n_samples", "top_p", "max_tokens"}
 AT_LEAST_ZERO = {"delethink_carryover", "delethink_keep_head", "max_tool_calls", "exec_penalty", "gamma", "lam",
                  "kl_coef", "entropy_coef", "async_steps", "value_loss_coef", "critic_warmup_steps", "filter_low",
-                 "filter_high", "sampling_min_tokens", "weight_decay", "eval_every", "eval_limit", "save_every",
+                 "filter_high", "group_size_max", "sampling_min_tokens", "weight_decay", "eval_every", "eval_limit", "save_every",
                  "log_rollouts", "seed", "max_examples", "max_response_tokens", "warmup_ratio", "limit", "temperature"}
 AT_MOST_ONE = {"gamma", "lam", "filter_low", "filter_high", "warmup_ratio", "gpu_memory_utilization", "sampling_top_p",
                "top_p"}
@@ -314,6 +314,7 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
     critic_warmup_steps: int = arg(0, "gae: steps that train only the critic before the policy starts to learn")
     filter_low: float | None = arg(None, "dynamic sampling: drop groups whose accuracy (answer reward) is below this (ZeroTIR: 0.2; 0 drops only all-equal groups); groups with equal rewards are always dropped then")
     filter_high: float | None = arg(None, "dynamic sampling: drop groups whose accuracy is above this (ZeroTIR: 0.8)")
+    group_size_max: int = arg(0, "adaptive groups (Reinforce-Ada): above --group_size, a question whose group has no reward spread is sampled again, group_size more per round, until its rewards differ or it has this many; it still trains on group_size of them (both sides kept), with the baseline from all of them (alignment/adaptive.py); 0: fixed groups")
     max_sampling_rounds: int = arg(3, "dynamic sampling: rounds of fresh questions per step to fill the batch with kept groups (DAPO's refill)")
     sampling_temperature: float = arg(1.0, "temperature for rollouts; the loss scores softmax(logits / T), the distribution sampled")
     sampling_top_p: float = arg(1.0, "nucleus mass for rollouts; below 1 the loss still scores the full softmax at T, so the gradient is biased (a warning says so)")
@@ -388,6 +389,15 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
             raise ValueError("--rollout_mode delethink spreads a trace over several rows: use --loss_agg_mode trace-length.")
         if self.rollout_mode == "tir" and self.prompt != "tir":
             raise ValueError("--rollout_mode tir needs --prompt tir (the prompt that tells the model it can run code).")
+        if self.group_size_max and self.group_size_max <= self.group_size:
+            raise ValueError(f"--group_size_max {self.group_size_max} must be above --group_size {self.group_size} "
+                             f"(adaptive groups), or 0 (fixed groups).")
+        if self.group_size_max and self.advantage_estimator not in ("grpo", "rloo", "reinforce_pp_baseline"):
+            raise ValueError(f"--group_size_max grows groups for a group baseline, which --advantage_estimator "
+                             f"{self.advantage_estimator} has not: use grpo, rloo or reinforce_pp_baseline.")
+        if self.group_size_max and self.kl_in_reward:
+            raise ValueError("--group_size_max takes the baseline from rewards of samples that are not trained on, "
+                             "whose KL penalty is unknown: drop --kl_in_reward (--kl_coef in the loss works).")
         if self.max_sampling_rounds < 1:
             raise ValueError("--max_sampling_rounds must be at least 1.")
         if self.save_every < 1:

@@ -84,6 +84,23 @@ def compute_rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Ten
     return rewards - others
 
 
+def pool_statistics(rewards: torch.Tensor, pools: list[torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
+    """Baselines from each group's whole pool (adaptive groups, alignment/adaptive.py: the question's every
+    sampled reward; the trained group is a subset of it). `rewards` (N,) in consecutive groups of
+    `group_size`, `pools[g]` group g's pool. Returns (N,) tensors: the pool's `mean`, unbiased `std` (0 for a
+    pool of one), `spread` (max - min), and `leave_one_out`: the mean of the pool without this trace (RLOO;
+    the trace's own reward if the pool has no other member). With pools equal to the groups these are the
+    fixed-group baselines of compute_group_normalized_rewards, compute_rloo_advantages and subtract_group_mean."""
+    if len(pools) * group_size != rewards.numel():
+        raise ValueError(f"{rewards.numel()} rewards do not split into {len(pools)} groups of {group_size}")
+    rewards = rewards.float()
+    per_group = torch.tensor([[p.float().mean(), p.float().std() if len(p) > 1 else 0.0, p.float().sum(), len(p),
+                               p.max() - p.min()] for p in pools], dtype=torch.float32).repeat_interleave(group_size, 0)
+    mean, std, total, count, spread = per_group.unbind(-1)
+    others = torch.where(count > 1, (total - rewards) / (count - 1).clamp(min=1), rewards)
+    return {"mean": mean, "std": std, "spread": spread, "leave_one_out": others}
+
+
 def subtract_group_mean(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Each reward minus its consecutive group's mean (REINFORCE++-baseline's first step), (N,)."""
     if group_size < 1 or rewards.numel() % group_size:

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from alignment import distributed, tir
+from alignment import adaptive, distributed, tir
 from alignment.args import TOKEN_LEVEL_ESTIMATORS
 from alignment.estimators import (compute_gae_advantages, compute_reinforce_pp_advantages, compute_rloo_advantages,
-                                  explained_variance, kl_penalty, outcome_token_rewards, subtract_group_mean, whiten)
+                                  explained_variance, kl_penalty, outcome_token_rewards, pool_statistics,
+                                  subtract_group_mean, whiten)
 from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts
 from alignment.grpo import compute_group_normalized_rewards, filter_groups, loss_weights, reward_metrics
 from alignment.rollout import Rollout, traces
@@ -46,6 +47,7 @@ class Batch:
     samples: list[dict]  # full rollouts (prompt, response, reward) for rollouts.jsonl
     seconds: dict  # {"sample": s, "score": s}
     policy_version: int = 0  # the policy version (RL steps taken) whose weights sampled it: async_rollouts.py
+    pools: list[torch.Tensor] | None = None  # adaptive groups: each kept group's pool of rewards (adaptive.py)
 
 
 @dataclass
@@ -143,6 +145,7 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     filtering = args.filter_low is not None or args.filter_high is not None
     stop = PROMPT_SETTINGS[args.prompt][1]
     kept, raw_rewards, metas, samples, mode_rows, lengths = [], [], [], [], [], []
+    adaptive_groups, kept_pools, grown = args.group_size_max > args.group_size, [], []
     seconds = {"sample": 0.0, "score": 0.0}
     for sampling_round in range(1, args.max_sampling_rounds + 1):
         start = time.perf_counter()
@@ -159,34 +162,50 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
         # a trace's last row holds its whole text
         scores = [score(t[-1], asked[t[-1].group_id]["answer"]) for t in round_traces]
         raw = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
-        keep = torch.ones(len(round_traces), dtype=torch.bool)
-        if filtering:
-            accuracy = torch.tensor([float(s["answer_reward"]) for s in scores])
-            keep = filter_groups(raw, args.group_size, args.filter_low, args.filter_high, accuracy=accuracy)
+        # the reward numbers are of the first group_size samples per question: comparable across runs
         metas.append(reward_metrics(raw, scores, args.group_size))
-        seconds["score"] += time.perf_counter() - start
         mode_rows += [t[-1] for t in round_traces]
         lengths += [sum(sum(r.loss_mask) for r in t) for t in round_traces]  # sampled tokens per trace
         samples += [{"prompt": prompt_texts[t[-1].group_id], "response": t[-1].text, "reward": r,
                      "ground_truth": asked[t[-1].group_id]["answer"], "rows": len(t), "stats": t[-1].stats}
                     for t, r in zip(round_traces, raw.tolist())]
+        seconds["score"] += time.perf_counter() - start
+        if adaptive_groups:  # more samples for the questions without spread (sampling and scoring)
+            start = time.perf_counter()
+            round_traces, scores, pools, numbers = adaptive.grow_groups(
+                args, step, sampling_round, lambda ids, p: ROLLOUT_MODES[args.rollout_mode](sampler, tokenizer, ids, p, args),
+                prompt_ids, params, round_traces, scores, lambda t, group: score(t[-1], asked[group]["answer"]))
+            raw = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
+            grown.append(numbers)
+            seconds["sample"] += time.perf_counter() - start
+        keep = torch.ones(len(round_traces), dtype=torch.bool)
+        if filtering:
+            accuracy = torch.tensor([float(s["answer_reward"]) for s in scores])
+            keep = filter_groups(raw, args.group_size, args.filter_low, args.filter_high, accuracy=accuracy)
         for i in keep.nonzero().flatten().tolist():
             kept.append(round_traces[i])
             raw_rewards.append(raw[i])
+            if adaptive_groups and i % args.group_size == 0:
+                kept_pools.append(pools[i // args.group_size])
         if not filtering or distributed.global_min(len(kept) >= wanted):
             break
-    kept, raw_rewards = kept[:wanted], raw_rewards[:wanted]
+    kept, raw_rewards, kept_pools = kept[:wanted], raw_rewards[:wanted], kept_pools[:wanted // args.group_size]
     metrics = {key: sum(m[key] for m in metas) / len(metas) for key in metas[0]}  # rounds are of equal size
     metrics = {"reward": metrics.pop("reward_mean"), "format_reward": metrics.get("format_reward_mean", 0.0),
                "answer_reward": metrics.get("answer_reward_mean", 0.0), "zero_std_groups": metrics["zero_std_fraction"],
                "response_tokens": sum(lengths) / len(lengths),
                "kept_traces": len(kept), "sampling_rounds": len(metas), "questions_sampled": len(metas) * questions}
+    if grown:  # adaptive groups: samples per question, share with spread, and every sampled token
+        metrics.update({key: sum(g[key] for g in grown) / len(grown) for key in ("samples_per_question", "spread_fraction")})
+        metrics["samples_per_question_max"] = max(g["samples_per_question_max"] for g in grown)
+    metrics["sampled_tokens"] = sum(lengths) + sum(g["growth_tokens"] for g in grown)
     if args.rollout_mode == "tir":
         metrics.update(tir.tir_metrics(mode_rows, [s["reward"] for s in samples]))
-    counts = ("kept_traces", "questions_sampled")  # summed over ranks; the rest are means of equal shares
+    counts = ("kept_traces", "questions_sampled", "sampled_tokens")  # summed over ranks; the rest are means of equal shares
     totals = distributed.global_sums(list(metrics.values()))
     metrics = {k: v / (1 if k in counts else distributed.world_size()) for k, v in zip(metrics, totals)}
-    return Batch(kept, torch.stack(raw_rewards) if kept else torch.zeros(0), metrics, samples, seconds), drawn
+    return Batch(kept, torch.stack(raw_rewards) if kept else torch.zeros(0), metrics, samples, seconds,
+                 pools=kept_pools if adaptive_groups else None), drawn
 
 
 def build_experience(args, batch: Batch, policy, reference, critic, autocast) -> Experience:
@@ -209,7 +228,7 @@ def build_experience(args, batch: Batch, policy, reference, critic, autocast) ->
     values = (no_grad_rows(lambda p, r: rollout_values(critic, p, r), critic, rows, width,
                            args.train_mini_batch_size, autocast) if critic is not None else None)
     if rows:
-        advantages, returns = compute_advantages(args, batch.rewards, mask, row_trace, token_kl, values)
+        advantages, returns = compute_advantages(args, batch.rewards, mask, row_trace, token_kl, values, batch.pools)
     else:  # this rank kept no group; a whitening estimator still adds its (empty) share to the global statistics
         advantages, returns = torch.zeros(0, 1), None
         if args.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
@@ -233,28 +252,39 @@ def _pad(lists: list[list[float]], width: int, value: float) -> torch.Tensor:
 
 
 def compute_advantages(args, rewards: torch.Tensor, mask: torch.Tensor, row_trace: torch.Tensor,
-                       token_kl: torch.Tensor | None, values: torch.Tensor | None):
+                       token_kl: torch.Tensor | None, values: torch.Tensor | None,
+                       pools: list[torch.Tensor] | None = None):
     """(advantages, returns) for --advantage_estimator: the one place that branches on it, and the only place
     advantages are computed. Advantages are (rows, 1) for the per-trace estimators and (rows, T) for the
     per-token ones; returns (rows, T) for gae, else None. `rewards` (traces,) in consecutive groups;
-    `row_trace` maps rows to traces."""
+    `row_trace` maps rows to traces. `pools`: with adaptive groups, each group's pool of rewards, which the
+    group baselines are taken from (Reinforce-Ada; alignment/adaptive.py)."""
     penalty = -args.kl_coef * token_kl * mask if token_kl is not None else torch.zeros_like(mask)  # (rows, T)
     estimator, n = args.advantage_estimator, args.group_size
+    pooled = pool_statistics(rewards, pools, n) if pools is not None else None  # (no KL in the reward: checked)
     returns = None
     if estimator in ("none", "grpo", "rloo"):
         trace_rewards = rewards.float() + torch.zeros_like(rewards, dtype=torch.float32).index_add(
             0, row_trace, penalty.sum(-1))  # the trace's reward minus its summed KL penalty
         if estimator == "none":
             per_trace = trace_rewards
+        elif estimator == "grpo" and pooled:  # DeepSeekMath eq. 3 with the pool's mean and std
+            centered = trace_rewards - pooled["mean"]
+            if args.use_std_normalization:
+                centered = centered / (pooled["std"] + args.advantage_eps)
+            per_trace = torch.where(pooled["spread"] > 0, centered, 0.0)
         elif estimator == "grpo":
             per_trace, _, _ = compute_group_normalized_rewards(
                 lambda reward, _: {"reward": reward}, trace_rewards.tolist(), [None] * len(trace_rewards), n,
                 args.advantage_eps, args.use_std_normalization)
         else:
-            per_trace = compute_rloo_advantages(trace_rewards, n)
+            per_trace = (trace_rewards - pooled["leave_one_out"] if pooled
+                         else compute_rloo_advantages(trace_rewards, n))
         advantages = per_trace[row_trace][:, None]  # (rows, 1): the same on every token
     else:  # token level: one row per trace (checked at parse time)
-        base = subtract_group_mean(rewards, n) if estimator == "reinforce_pp_baseline" else rewards
+        base = rewards
+        if estimator == "reinforce_pp_baseline":
+            base = rewards.float() - pooled["mean"] if pooled else subtract_group_mean(rewards, n)
         token_rewards = outcome_token_rewards(base[row_trace], mask) + penalty
         if estimator == "gae":
             advantages, returns = compute_gae_advantages(token_rewards, values, mask, args.gamma, args.lam)

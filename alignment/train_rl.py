@@ -199,6 +199,10 @@ def _refuse_under_torchrun(args: RLArgs, device: str):
     if args.async_steps:
         raise UserError("--async_steps 1 is not supported under torchrun (each rank's sampling joins collectives that "
                         "would interleave with training's): run it without torchrun, or with --async_steps 0.")
+    if args.group_size_max:
+        raise UserError("--group_size_max is not supported under torchrun (each rank would grow its groups in a "
+                        "different number of rounds, and the sharded policy samples in lock-step): run it without "
+                        "torchrun, or with fixed groups.")
     if args.advantage_estimator == "gae":
         raise UserError("under torchrun this loop has no sharded critic: use --advantage_estimator grpo, rloo "
                         "or reinforce_pp[_baseline], or run gae without torchrun.")

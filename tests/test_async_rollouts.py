@@ -121,7 +121,7 @@ def test_combinations_that_cannot_run_one_step_ahead_are_refused(tiny_model_dir,
         train_rl.main(tiny_args(tiny_model_dir, tmp_path / "shared", async_steps=1))
     with pytest.raises(ValueError, match="needs rollout correction"):
         tiny_args(tiny_model_dir, tmp_path / "none", async_steps=1, rollout_is="none")
-    with pytest.raises(ValueError, match="must be 0"):
+    with pytest.raises(ValueError, match="--async_steps 2 is not one of 0, 1"):
         tiny_args(tiny_model_dir, tmp_path / "two", async_steps=2)
     with pytest.raises(UserError, match="not supported under torchrun"):
         train_rl._refuse_under_torchrun(tiny_args(tiny_model_dir, tmp_path / "dist", async_steps=1), "cpu")

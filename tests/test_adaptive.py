@@ -1,0 +1,130 @@
+"""Adaptive group size (--group_size_max, alignment/adaptive.py): growth stops at spread or M, the trained group
+keeps both sides, the baselines come from the whole pool, and a run replays exactly."""
+
+import json
+import zlib
+
+import pytest
+import torch
+
+from alignment import adaptive, experience, train_rl
+from alignment.args import RLArgs, parse
+from alignment.estimators import compute_rloo_advantages, pool_statistics, subtract_group_mean
+from alignment.grpo import compute_group_normalized_rewards
+from alignment.rollout import Rollout
+from alignment.sampling import SamplingParams
+from tests.test_train_rl import tiny_args
+
+
+def test_pool_statistics_of_fixed_groups_are_the_fixed_group_baselines():
+    torch.manual_seed(0)
+    for n in (1, 2, 4):
+        rewards = torch.randint(0, 2, (6 * n,)).float()
+        pools = list(rewards.view(-1, n))
+        stats = pool_statistics(rewards, pools, n)
+        for normalize in (False, True):
+            args = RLArgs(group_size=n, rollout_batch_size=6 * n, train_batch_size=6 * n, use_std_normalization=normalize)
+            fixed, _, _ = compute_group_normalized_rewards(lambda r, _: {"reward": r}, rewards.tolist(), [None] * len(rewards),
+                                                           n, args.advantage_eps, normalize)
+            mask, row_trace = torch.ones(len(rewards), 3), torch.arange(len(rewards))
+            pooled, _ = experience.compute_advantages(args, rewards, mask, row_trace, None, None, pools)
+            torch.testing.assert_close(pooled[:, 0], fixed)
+        torch.testing.assert_close(rewards - stats["leave_one_out"], compute_rloo_advantages(rewards, n))
+        torch.testing.assert_close(rewards - stats["mean"], subtract_group_mean(rewards, n))
+
+
+def test_the_baselines_of_a_grown_group_are_those_of_its_whole_pool():
+    # one question: 8 sampled, 1 right; it trains on 4 of them (the right one among them)
+    rewards, pool = torch.tensor([1.0, 0.0, 0.0, 0.0]), [torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0])]
+    mask, row_trace = torch.ones(4, 2), torch.arange(4)
+    for estimator, expected in (("grpo", rewards - 1 / 8), ("rloo", rewards - (1 - rewards) / 7)):
+        args = RLArgs(group_size=4, rollout_batch_size=4, train_batch_size=4, advantage_estimator=estimator)
+        advantages, _ = experience.compute_advantages(args, rewards, mask, row_trace, None, None, pool)
+        torch.testing.assert_close(advantages[:, 0], expected)
+    args = RLArgs(group_size=4, rollout_batch_size=4, train_batch_size=4, use_std_normalization=True)
+    advantages, _ = experience.compute_advantages(args, rewards, mask, row_trace, None, None, pool)
+    torch.testing.assert_close(advantages[:, 0], (rewards - 1 / 8) / (pool[0].std() + args.advantage_eps))
+
+
+class ScriptedMode:
+    """A rollout mode whose answers are numbered per question; the script says which numbers are right."""
+
+    def __init__(self, right: dict):
+        self.right, self.count, self.calls = right, {}, []
+
+    def __call__(self, prompt_ids, params):
+        self.calls.append(([p[0] for p in prompt_ids], params.n, params.seed))
+        rows = []
+        for group, prompt in enumerate(prompt_ids):
+            for k in range(params.n):
+                number = self.count.get(prompt[0], 0)
+                self.count[prompt[0]] = number + 1
+                rows.append(Rollout(list(prompt), [7] * 3, [1] * 3, trace_id=group * params.n + k, group_id=group,
+                                    text=f"{prompt[0]}:{number}", finish_reason="stop"))
+        return rows
+
+    def score(self, trace, group):
+        question, number = map(int, trace[-1].text.split(":"))
+        return {"reward": float(number in self.right.get(question, ()))}
+
+
+def test_groups_grow_until_their_rewards_differ_or_they_hold_m_samples():
+    n, m = 4, 10
+    args = RLArgs(group_size=n, group_size_max=m, rollout_batch_size=12, train_batch_size=12)
+    # question 0 has spread at once, question 1 gets its first right answer in growth round 1 (sample 5),
+    # question 2 never does: 4, then 8, then 10 samples (the last round only 2)
+    mode = ScriptedMode({0: {1, 2, 3}, 1: {5}})
+    prompts = [[0], [1], [2]]
+    params = SamplingParams(n=n, seed=1)
+    first = [[row] for row in mode(prompts, params)]
+    chosen, scores, pools, numbers = adaptive.grow_groups(args, 3, 1, mode, prompts, params, first,
+                                                          [mode.score(t, 0) for t in first], mode.score)
+    assert [len(p) for p in pools] == [4, 8, 10]
+    assert [(asked, k) for asked, k, _ in mode.calls[1:]] == [([1, 2], 4), ([2], 2)]  # only groups without spread
+    assert len({seed for _, _, seed in mode.calls}) == 3  # each round its own seed
+    assert len(chosen) == 3 * n and all(t[-1].group_id == i // n for i, t in enumerate(chosen))
+    texts = [t[-1].text for t in chosen]
+    assert texts[:4] == ["0:0", "0:1", "0:2", "0:3"]  # 3 right, 1 wrong: the whole first group
+    assert "1:5" in texts[4:8] and [s["reward"] for s in scores[4:8]].count(1.0) == 1  # both sides of question 1
+    assert texts[8:] == ["2:0", "2:1", "2:2", "2:3"]  # no spread: the first n
+    assert pools[1].tolist() == [0.0] * 5 + [1.0] + [0.0] * 2
+    assert numbers["samples_per_question"] == pytest.approx(22 / 3) and numbers["samples_per_question_max"] == 10
+    assert numbers["spread_fraction"] == pytest.approx(2 / 3) and numbers["growth_tokens"] == 10 * 3
+    # a balanced pick: 2 above the mean and 2 at or below it when both sides have that many
+    pool = [(f"t{i}", {"reward": r}) for i, r in enumerate([1, 1, 1, 0, 0, 1, 0, 0])]
+    assert [t for t, _ in adaptive._balanced(pool, 4)] == ["t0", "t1", "t3", "t4"]
+
+
+def rare_reward(text, ground_truth, *rest):
+    """Right about one time in five, by a hash of the text: most groups of 4 have no spread."""
+    right = float(zlib.crc32(text.encode()) % 5 == 0)
+    return {"reward": right, "format_reward": 1.0, "answer_reward": right}
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_an_adaptive_run_trains_logs_its_samples_and_replays_exactly(tiny_model_dir, tmp_path, monkeypatch, estimator):
+    monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (rare_reward, ()))
+    runs = []
+    for name in ("a", "b"):
+        train_rl.main(tiny_args(tiny_model_dir, tmp_path / name, group_size_max=12, advantage_estimator=estimator,
+                                sampling_max_tokens=4))
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        runs.append([{k: v for k, v in json.loads(line).items() if not k.startswith("seconds")} for line in lines])
+    assert runs[0] == runs[1]  # the same samples, rewards and updates
+    steps = [m for m in runs[0] if "loss" in m]
+    assert len(steps) == 2 and all(4 <= m["samples_per_question"] <= 12 for m in steps)
+    assert any(m["samples_per_question"] > 4 for m in steps) and all(m["kept_traces"] == 8 for m in steps)
+    # every sampled token is counted: the first round's (8 answers) and the growth rounds'
+    assert all(m["sampled_tokens"] > 8 * m["response_tokens"] for m in steps if m["samples_per_question"] > 4)
+
+
+def test_adaptive_groups_are_refused_where_they_cannot_work(capsys):
+    for argv, message in [(["--group_size_max", "4"], "must be above --group_size 4"),
+                          (["--group_size_max", "8", "--advantage_estimator", "gae"], "use grpo, rloo or"),
+                          (["--group_size_max", "8", "--loss_type", "no_baseline"], "use grpo, rloo or"),
+                          (["--group_size_max", "8", "--kl_coef", "0.1", "--kl_in_reward"], "drop --kl_in_reward")]:
+        with pytest.raises(SystemExit):
+            parse(RLArgs, argv)
+        assert message in capsys.readouterr().err
+    with pytest.raises(train_rl.UserError, match="not supported under torchrun"):
+        train_rl._refuse_under_torchrun(parse(RLArgs, ["--group_size_max", "8"]), "cpu")
