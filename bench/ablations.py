@@ -28,19 +28,29 @@ from alignment.args import DEFAULT_RL_TASK
 ROOT = Path(__file__).resolve().parent.parent
 
 # name -> flags; the first is the reference the others change one thing of
-VARIANTS = {
+VARIANTS = {  # CS336 assignment 5's GRPO experiments, then the estimators, then how groups are filled
     "grpo_clip": [],
+    "lr_1e-5": ["--learning_rate", "1e-5"],
+    "lr_1e-4": ["--learning_rate", "1e-4"],
     "no_baseline": ["--loss_type", "no_baseline"],
     "reinforce_with_baseline": ["--loss_type", "reinforce_with_baseline"],
     "std_normalization": ["--use_std_normalization"],
     "token-mean": ["--loss_agg_mode", "token-mean"],
     "seq-mean-token-sum-norm": ["--loss_agg_mode", "seq-mean-token-sum-norm"],
+    # off-policy: more epochs over each rollout batch, or several optimizer steps per batch (the budget's
+    # rollout batch is 16 or 32 responses, so a train batch of 8 is 2 or 4 steps per batch)
     "off-policy_2_epochs": ["--epochs_per_rollout_batch", "2", "--train_batch_size", "16"],
+    "off-policy_4_epochs": ["--epochs_per_rollout_batch", "4", "--train_batch_size", "16"],
+    "off-policy_train_batch_8": ["--train_batch_size", "8"],
+    "no-clip_2_epochs": ["--loss_type", "grpo_no_clip", "--epochs_per_rollout_batch", "2", "--train_batch_size", "16"],
+    "question_only": ["--prompt", "question_only"],
     "rloo": ["--advantage_estimator", "rloo"],
     "reinforce_pp": ["--advantage_estimator", "reinforce_pp"],
     "reinforce_pp_baseline": ["--advantage_estimator", "reinforce_pp_baseline"],
     "gae": ["--advantage_estimator", "gae", "--critic_learning_rate", "1e-4"],
     "gspo": ["--loss_type", "gspo"],
+    "dynamic_sampling": ["--filter_low", "0"],
+    "adaptive_groups_16": ["--group_size_max", "16"],
 }
 BUDGETS = {  # (flags, description)
     "full": (["--n_steps", "10", "--eval_every", "5", "--eval_limit", "50"], "10 steps, eval on 50 every 5"),
@@ -74,27 +84,28 @@ def run(name: str, flags: list[str], budget: list[str], seed: int, out: Path, da
 
 
 def summarise(name: str, run_dirs: list[Path]) -> dict:
-    curves, seconds, rewards = [], [], []
+    curves, seconds, rewards, tokens = [], [], [], []
     for run_dir in run_dirs:
         records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
         curves.append([(r["step"], r["eval_avg_answer_rewards"]) for r in records if "eval_avg_answer_rewards" in r])
         steps = [r for r in records if "seconds_sample" in r]
         seconds.append(statistics.mean(r["seconds_step"] for r in steps))
         rewards.append(steps[-1]["reward"])
+        tokens.append(sum(r.get("sampled_tokens", 0) for r in steps))
     finals = [c[-1][1] for c in curves]
     return {"name": name, "first": statistics.mean(c[0][1] for c in curves), "final": statistics.mean(finals),
             "low": min(finals), "high": max(finals), "seconds": statistics.mean(seconds),
-            "reward": statistics.mean(rewards), "curves": curves}
+            "reward": statistics.mean(rewards), "tokens": statistics.mean(tokens), "curves": curves}
 
 
 def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int], dataset: str):
     lines = [f"Budget: {budget_text}; seeds {', '.join(map(str, seeds))}; task {dataset}; greedy answer rate on "
              f"the task's test split (its questions are left out of training).", "",
-             "| variant | start | final (mean) | final (range) | final train reward | s/step |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| variant | start | final (mean) | final (range) | final train reward | sampled tokens | s/step |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['first']:.3f} | {r['final']:.3f} | {r['low']:.2f}-{r['high']:.2f} | "
-                     f"{r['reward']:.3f} | {r['seconds']:.1f} |")
+                     f"{r['reward']:.3f} | {r['tokens']:.0f} | {r['seconds']:.1f} |")
     (out / "ablations.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
