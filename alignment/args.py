@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 from transformers import HfArgumentParser
 
+from alignment.grpo import LOSS_TYPES
+
 
 def arg(default, help: str):
     return field(default=default, metadata={"help": help.replace("%", "%%")})  # argparse formats help with %
@@ -206,7 +208,7 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
     rg_size: int = arg(2000, "problems generated for an rg: dataset")
     prompt: str = arg("r1_zero", "prompt template (r1_zero, question_only, tir); picks the reward function")
     chat_template: bool = arg(False, "wrap the filled prompt in the tokenizer's chat template")
-    loss_type: str = arg("grpo_clip", "no_baseline, reinforce_with_baseline, grpo_clip (PPO's clipped token ratio) or gspo (clipped sequence ratio)")
+    loss_type: str = arg("grpo_clip", "no_baseline, reinforce_with_baseline, grpo_clip (PPO's clipped token ratio), grpo_no_clip (the unclipped -ratio * A, CS336's off-policy ablation) or gspo (clipped sequence ratio)")
     advantage_estimator: str = arg("grpo", "grpo (group-normalised), rloo (leave-one-out), reinforce_pp, reinforce_pp_baseline (REINFORCE++), gae (PPO with a critic) or none (the raw reward; --loss_type no_baseline implies it)")
     gamma: float = arg(1.0, "discount for reinforce_pp and gae")
     lam: float = arg(1.0, "GAE's lambda (1: Monte Carlo returns minus the value; verl's default 1, PPO's 0.95)")
@@ -214,7 +216,7 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
     rollout_batch_size: int = arg(32, "responses per RL step (questions per step = this / group_size)")
     train_batch_size: int = arg(32, "responses per optimizer step; rollout_batch_size / this = optimizer steps per epoch")
     train_mini_batch_size: int = arg(8, "rows per forward/backward (microbatch); gradient accumulation = train_batch_size / this")
-    epochs_per_rollout_batch: int = arg(1, "passes over each rollout batch (more than 1 is off-policy: needs grpo_clip)")
+    epochs_per_rollout_batch: int = arg(1, "passes over each rollout batch (more than 1 is off-policy: needs a loss with a ratio: grpo_clip, grpo_no_clip or gspo)")
     cliprange: float = arg(0.2, "clip epsilon (lower side, and upper side unless --cliprange_high); GSPO clips a sequence ratio, which moves far less: its paper uses 3e-4 (and 4e-4 above)")
     cliprange_high: float | None = arg(None, "upper clip epsilon for clip-higher (DAPO uses 0.28)")
     use_std_normalization: bool = arg(False, "divide advantages by the group std (GRPO); off as Dr. GRPO recommends")
@@ -262,8 +264,8 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
         self.check_rollout()
         self.check_run()
         self.check_sampler()
-        if self.loss_type not in ("no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo"):
-            raise ValueError(f"--loss_type {self.loss_type!r} is not one of no_baseline, reinforce_with_baseline, grpo_clip, gspo.")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"--loss_type {self.loss_type!r} is not one of {', '.join(LOSS_TYPES)}.")
         estimators = ("grpo", "rloo", *TOKEN_LEVEL_ESTIMATORS, "none")
         if self.loss_type == "no_baseline" and self.advantage_estimator == "grpo":
             self.advantage_estimator = "none"  # implied: REINFORCE without a baseline trains on the raw reward
@@ -315,7 +317,7 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
         if self.train_batch_size % self.train_mini_batch_size:
             raise ValueError(f"--train_batch_size {self.train_batch_size} must be a multiple of --train_mini_batch_size {self.train_mini_batch_size}.")
         off_policy = self.epochs_per_rollout_batch > 1 or self.rollout_batch_size > self.train_batch_size
-        if off_policy and self.loss_type not in ("grpo_clip", "gspo"):
+        if off_policy and self.loss_type not in ("grpo_clip", "grpo_no_clip", "gspo"):
             raise ValueError(f"{self.loss_type} has no importance ratio, so it must stay on-policy: use "
                              f"--epochs_per_rollout_batch 1 and --train_batch_size {self.rollout_batch_size}, or --loss_type grpo_clip.")
         if self.loss_agg_mode not in ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "trace-length"):

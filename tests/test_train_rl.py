@@ -386,6 +386,7 @@ def test_user_errors_end_in_one_line(tiny_model_dir, tmp_path, monkeypatch, caps
     {"advantage_estimator": "reinforce_pp_baseline", "kl_coef": 0.05, "kl_in_reward": True, "kl_estimator": "k1"},
     {"advantage_estimator": "gae", "gamma": 0.99, "lam": 0.95},
     {"loss_type": "gspo", "train_batch_size": 4, "epochs_per_rollout_batch": 2},
+    {"loss_type": "grpo_no_clip", "train_batch_size": 4, "epochs_per_rollout_batch": 2},  # off-policy: has a ratio
     {"entropy_coef": 0.01, "kl_coef": 0.05, "kl_estimator": "k2"},
 ])
 def test_two_steps_with_each_estimator(tiny_model_dir, tmp_path, parity, overrides):
