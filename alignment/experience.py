@@ -134,7 +134,9 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     kept groups (a collective decision), and the logged numbers are over all ranks.
 
     batch = {"traces": kept traces (lists of rows), "raw_rewards": (kept traces,),
-             "metrics": reward and sampling numbers, "samples": full rollouts for rollouts.jsonl,
+             "metrics": reward and sampling numbers (sampled_tokens: the tokens the policy generated, filtered
+             traces included), "samples": full rollouts for rollouts.jsonl, every sampled trace's, in order,
+             with its reward, format_reward and answer_reward,
              "seconds": {"sample", "score"}}.
     """
     questions = args.rollout_batch_size // args.group_size  # per round, over all ranks
@@ -168,8 +170,9 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
         mode_rows += [t[-1] for t in round_traces]
         lengths += [sum(sum(r.loss_mask) for r in t) for t in round_traces]  # sampled tokens per trace
         samples += [{"prompt": prompt_texts[t[-1].group_id], "response": t[-1].text, "reward": r,
+                     "format_reward": s.get("format_reward"), "answer_reward": s.get("answer_reward"),
                      "ground_truth": asked[t[-1].group_id]["answer"], "rows": len(t), "stats": t[-1].stats}
-                    for t, r in zip(round_traces, raw.tolist())]
+                    for t, r, s in zip(round_traces, raw.tolist(), scores)]
         for i in keep.nonzero().flatten().tolist():
             kept.append(round_traces[i])
             raw_rewards.append(raw[i])
@@ -179,11 +182,11 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     metrics = {key: sum(m[key] for m in metas) / len(metas) for key in metas[0]}  # rounds are of equal size
     metrics = {"reward": metrics.pop("reward_mean"), "format_reward": metrics.get("format_reward_mean", 0.0),
                "answer_reward": metrics.get("answer_reward_mean", 0.0), "zero_std_groups": metrics["zero_std_fraction"],
-               "response_tokens": sum(lengths) / len(lengths),
+               "response_tokens": sum(lengths) / len(lengths), "sampled_tokens": sum(lengths),
                "kept_traces": len(kept), "sampling_rounds": len(metas), "questions_sampled": len(metas) * questions}
     if args.rollout_mode == "tir":
         metrics.update(tir.tir_metrics(mode_rows, [s["reward"] for s in samples]))
-    counts = ("kept_traces", "questions_sampled")  # summed over ranks; the rest are means of equal shares
+    counts = ("kept_traces", "questions_sampled", "sampled_tokens")  # summed over ranks; the rest are means of equal shares
     totals = distributed.global_sums(list(metrics.values()))
     metrics = {k: v / (1 if k in counts else distributed.world_size()) for k, v in zip(metrics, totals)}
     return Batch(kept, torch.stack(raw_rewards) if kept else torch.zeros(0), metrics, samples, seconds), drawn

@@ -78,6 +78,12 @@ def test_resume_after_a_crash_replays_the_same_questions_and_weights(tiny_model_
         return [(r["step"], r["prompt"]) for r in read_jsonl(tmp_path / run / "rollouts.jsonl")]
     assert prompts("crashed") == prompts("whole")
     assert [m["step"] for m in read_jsonl(tmp_path / "crashed" / "metrics.jsonl")] == [1, 2, 3]
+
+    def generated(run):  # cumulative over the run, across the resume too
+        return [m["generated_tokens"] for m in read_jsonl(tmp_path / run / "metrics.jsonl")]
+    steps = read_jsonl(tmp_path / "whole" / "metrics.jsonl")
+    per_step = [round(m["response_tokens"] * whole.rollout_batch_size) for m in steps]
+    assert generated("crashed") == generated("whole") == [sum(per_step[:i + 1]) for i in range(3)]
     a = models.load_model(str(tmp_path / "whole" / "checkpoint"))
     b = models.load_model(str(tmp_path / "crashed" / "checkpoint"))
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
