@@ -389,7 +389,7 @@ class EIArgs(RunArgs, SamplerArgs):
     prompt: str = arg("r1_zero", "prompt template: r1_zero or question_only; picks the reward function")
     chat_template: bool = arg(False, "wrap the filled prompt in the tokenizer's chat template")
     n_ei_steps: int = arg(5, "expert-iteration steps (sample, filter, fine-tune)")
-    questions_per_step: int = arg(48, "questions sampled per EI step (CS336's batch of questions D_b)")
+    questions_per_step: int = arg(64, "questions sampled per EI step (CS336's batch of questions D_b)")
     group_size: int = arg(4, "answers sampled per question (G)")
     sft_epochs: int = arg(1, "passes over each step's correct answers")
     batch_size: int = arg(8, "examples per SFT optimizer step (a short last batch is kept)")

@@ -17,7 +17,7 @@ and train_rl.py; `alignment.plot` draws the run.
 Where it departs from the reference: each step's fine-tuning starts a fresh AdamW with its own warmup and
 cosine decay (the reference calls its SFT procedure on each step's data and leaves this open), so a
 checkpoint between steps holds no optimizer state; answers are re-tokenised from their text, as SFT data
-is, rather than trained on the sampled token ids; the CPU defaults are far smaller (48 questions x 4 answers
+is, rather than trained on the sampled token ids; the CPU defaults are far smaller (64 questions x 4 answers
 of up to 128 tokens per step instead of 512-2048 questions and 1024 tokens); and it runs in one process.
 A step with no correct answer leaves the model as it was.
 """

@@ -89,6 +89,9 @@ def test_two_steps_write_metrics_evaluations_a_checkpoint_and_a_plot(tiny_model_
     assert (tmp_path / "run" / "checkpoint" / "trainer_state.pt").exists()
     assert not same_weights(tiny_model_dir, tmp_path / "run")
     assert plot.plot(tmp_path / "run").stat().st_size > 10_000
+    evals = [m for m in metrics if "eval_count" in m]  # eval records carry the token count: plots against tokens
+    assert [m["generated_tokens"] for m in evals] == [0, steps[0]["generated_tokens"], steps[1]["generated_tokens"]]
+    assert plot.plot(tmp_path / "run", tmp_path / "tokens.png", x="generated_tokens").stat().st_size > 10_000
 
 
 class Crash(Exception):
