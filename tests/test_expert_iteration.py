@@ -146,3 +146,19 @@ def test_a_bad_dataset_fails_before_any_model_loads(tiny_model_dir, tmp_path, mo
     monkeypatch.setattr(models, "load_tokenizer", no_model)
     with pytest.raises(UserError, match="unknown dataset 'no_such_set'"):
         expert_iteration.main(tiny_args(tiny_model_dir, tmp_path / "run", dataset="no_such_set"))
+
+
+def test_a_signal_stops_after_the_step_with_a_checkpoint(tiny_model_dir, tmp_path, parity, monkeypatch):
+    import os
+    import signal
+    real = expert_iteration.fine_tune
+
+    def interrupted(*args, **kwargs):  # Ctrl-C while step 1 fine-tunes
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(expert_iteration, "fine_tune", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        expert_iteration.main(tiny_args(tiny_model_dir, tmp_path / "run", n_ei_steps=3, save_every=10))
+    assert exit_info.value.code == 128 + signal.SIGINT
+    assert torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 1
+    assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1]
