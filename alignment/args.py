@@ -11,6 +11,8 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field, fields
 
+from alignment.grpo import LOSS_TYPES
+
 
 def arg(default, help: str, choices: tuple | None = None, group: str | None = None):
     """A flag: its default, a one-line help, and optionally the values it takes and its --help section
@@ -30,7 +32,8 @@ GROUPS = {
     "algorithm and optimisation": (
         "loss_type", "advantage_estimator", "gamma", "lam", "use_std_normalization", "advantage_eps", "loss_agg_mode",
         "cliprange", "cliprange_high", "kl_coef", "kl_estimator", "kl_in_reward", "entropy_coef", "rollout_is",
-        "rollout_is_level", "rollout_is_threshold", "async_steps", "n_steps", "epochs", "train_batch_size",
+        "rollout_is_level", "rollout_is_threshold", "async_steps", "n_steps", "n_ei_steps", "questions_per_step",
+        "sft_epochs", "epochs", "train_batch_size",
         "train_mini_batch_size", "epochs_per_rollout_batch", "batch_size", "microbatch_size", "learning_rate", "lr",
         "warmup_ratio", "weight_decay", "max_grad_norm", "critic_model", "critic_learning_rate", "cliprange_value",
         "value_loss_coef", "critic_warmup_steps"),
@@ -135,7 +138,7 @@ POSITIVE = {"delethink_chunk_size", "delethink_max_turns", "tool_timeout", "gpu_
             "rollout_is_threshold", "critic_learning_rate", "cliprange_value", "max_sampling_rounds",
             "sampling_temperature", "sampling_top_p", "sampling_max_tokens", "learning_rate", "max_grad_norm",
             "n_steps", "eval_max_tokens", "sample_batch_size", "epochs", "batch_size", "microbatch_size", "lr",
-            "eval_batch_size", "n_samples", "top_p", "max_tokens"}
+            "eval_batch_size", "n_samples", "top_p", "max_tokens", "n_ei_steps", "questions_per_step", "sft_epochs"}
 AT_LEAST_ZERO = {"delethink_carryover", "delethink_keep_head", "max_tool_calls", "exec_penalty", "gamma", "lam",
                  "kl_coef", "entropy_coef", "async_steps", "value_loss_coef", "critic_warmup_steps", "filter_low",
                  "filter_high", "group_size_max", "sampling_min_tokens", "weight_decay", "eval_every", "eval_limit", "save_every",
@@ -278,8 +281,8 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
     rg_size: int = arg(2000, "problems generated for an rg: dataset")
     prompt: str = arg("r1_zero", "prompt template in alignment/prompts (picks the reward function)", PROMPTS)
     chat_template: bool = arg(False, "wrap the filled prompt in the tokenizer's chat template")
-    loss_type: str = arg("grpo_clip", "no_baseline, reinforce_with_baseline, grpo_clip (PPO's clipped token ratio) or gspo (clipped sequence ratio)",
-                        ("no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo"))
+    loss_type: str = arg("grpo_clip", "no_baseline, reinforce_with_baseline, grpo_clip (PPO's clipped token ratio), grpo_no_clip (the unclipped -ratio * A, CS336's off-policy ablation) or gspo (clipped sequence ratio)",
+                        LOSS_TYPES)
     advantage_estimator: str = arg("grpo", "grpo (group-normalised), rloo (leave-one-out), reinforce_pp, reinforce_pp_baseline (REINFORCE++), gae (PPO with a critic) or none (the raw reward; --loss_type no_baseline implies it)",
                                  ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "none"))
     gamma: float = arg(1.0, "discount for reinforce_pp and gae")
@@ -288,7 +291,7 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
     rollout_batch_size: int = arg(32, "responses per RL step (questions per step = this / group_size)")
     train_batch_size: int = arg(32, "responses per optimizer step; rollout_batch_size / this = optimizer steps per epoch")
     train_mini_batch_size: int = arg(8, "rows per forward/backward (microbatch); gradient accumulation = train_batch_size / this")
-    epochs_per_rollout_batch: int = arg(1, "passes over each rollout batch (more than 1 is off-policy: needs grpo_clip)")
+    epochs_per_rollout_batch: int = arg(1, "passes over each rollout batch (more than 1 is off-policy: needs a loss with a ratio: grpo_clip, grpo_no_clip or gspo)")
     cliprange: float = arg(0.2, "clip epsilon (lower side, and upper side unless --cliprange_high); GSPO clips a sequence ratio, which moves far less: its paper uses 3e-4 (and 4e-4 above)")
     cliprange_high: float | None = arg(None, "upper clip epsilon for clip-higher (DAPO uses 0.28)")
     use_std_normalization: bool = arg(False, "divide advantages by the group std (GRPO); off as Dr. GRPO recommends")
@@ -382,7 +385,7 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
         if self.train_batch_size % self.train_mini_batch_size:
             raise ValueError(f"--train_batch_size {self.train_batch_size} must be a multiple of --train_mini_batch_size {self.train_mini_batch_size}.")
         off_policy = self.epochs_per_rollout_batch > 1 or self.rollout_batch_size > self.train_batch_size
-        if off_policy and self.loss_type not in ("grpo_clip", "gspo"):
+        if off_policy and self.loss_type not in ("grpo_clip", "grpo_no_clip", "gspo"):
             raise ValueError(f"{self.loss_type} has no importance ratio, so it must stay on-policy: use "
                              f"--epochs_per_rollout_batch 1 and --train_batch_size {self.rollout_batch_size}, or --loss_type grpo_clip.")
         if self.rollout_mode == "delethink" and self.loss_agg_mode != "trace-length":
@@ -449,4 +452,66 @@ class SFTArgs(RunArgs, SamplerArgs):
             raise ValueError("--eval_every, --save_every and --eval_limit must be 0 or positive.")
 
 
-SCRIPTS = {"evaluate": EvalArgs, "sft": SFTArgs, "train_rl": RLArgs}  # for "a flag of another script"
+@dataclass
+class EIArgs(RunArgs, SamplerArgs):
+    """Expert iteration (CS336 assignment 5): sample answers with the current model, keep the correct ones, fine-tune on them with the SFT step, repeat."""
+
+    model: str | None = arg(None, "policy to start from (default checkpoints/math_sft if it exists, else smollm2-135m)")
+    dataset: str = arg(DEFAULT_RL_TASK, "training questions, as in train_rl (its task: sums of two numbers of up to two digits); questions of the evaluation set are left out of training")
+    eval_dataset: str | None = arg(None, "evaluation set (default: the test split of --dataset)")
+    data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
+    rg_size: int = arg(2000, "problems generated for an rg: dataset")
+    prompt: str = arg("r1_zero", "prompt template: r1_zero or question_only; picks the reward function",
+                      ("r1_zero", "question_only"))
+    chat_template: bool = arg(False, "wrap the filled prompt in the tokenizer's chat template")
+    n_ei_steps: int = arg(5, "expert-iteration steps (sample, filter, fine-tune)")
+    questions_per_step: int = arg(64, "questions sampled per EI step (CS336's batch of questions D_b)")
+    group_size: int = arg(4, "answers sampled per question (G)")
+    sft_epochs: int = arg(1, "passes over each step's correct answers")
+    batch_size: int = arg(8, "examples per SFT optimizer step (a short last batch is kept)")
+    microbatch_size: int = arg(8, "examples per forward/backward; gradient accumulation = batch_size / microbatch_size")
+    lr: float = arg(5e-5, "peak AdamW learning rate of each step's fine-tuning (a fresh AdamW and schedule per EI step)")
+    warmup_ratio: float = arg(0.1, "fraction of each step's SFT steps with linear warmup before the cosine decay to 0")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
+    sampling_temperature: float = arg(1.0, "temperature for the sampled answers")
+    sampling_top_p: float = arg(1.0, "nucleus mass for the sampled answers")
+    sampling_max_tokens: int = arg(128, "most generated tokens per answer")
+    sampling_min_tokens: int = arg(0, "generate at least this many tokens before EOS or a stop string can end an answer")
+    eval_every: int = arg(1, "evaluate every N EI steps (and before the first and after the last); 0: never")
+    eval_limit: int = arg(100, "questions in each evaluation")
+    eval_max_tokens: int = arg(128, "generated tokens per evaluation answer")
+    save_every: int = arg(1, "checkpoint every N EI steps (and at the end)")
+    log_rollouts: int = arg(4, "sampled answers written to rollouts.jsonl per EI step")
+    seed: int = arg(0, "seed for data order, sampling and initialisation")
+    sample_batch_size: int = arg(64, "HF sampler: sequences per generation batch")
+    output_dir: str | None = arg(None, "run folder (default checkpoints/ei/ei-<time>): config.json, metrics.jsonl, rollouts.jsonl, checkpoint/")
+
+    # What experience.collect_rollouts reads besides the flags: one round of standard rollouts, every trace kept.
+    rollout_mode, filter_low, filter_high, max_sampling_rounds, group_size_max = "standard", None, None, 1, 0
+
+    @property
+    def rollout_batch_size(self) -> int:
+        return self.questions_per_step * self.group_size
+
+    def check(self):
+        if self.prompt not in ("r1_zero", "question_only"):
+            raise ValueError(f"--prompt {self.prompt!r}: expert iteration samples plain answers, so use r1_zero or "
+                             f"question_only (tool-integrated answers hold tool output that SFT would train on).")
+        check_values(self)
+        self.check_run()
+        if self.batch_size % self.microbatch_size:
+            raise ValueError(f"--batch_size {self.batch_size} must be a multiple of --microbatch_size "
+                             f"{self.microbatch_size}; change one of them.")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError("--warmup_ratio must be in [0, 1).")
+        if not 0 <= self.sampling_min_tokens <= self.sampling_max_tokens:
+            raise ValueError(f"--sampling_min_tokens {self.sampling_min_tokens} must be between 0 and "
+                             f"--sampling_max_tokens ({self.sampling_max_tokens}).")
+        if self.save_every < 1:
+            raise ValueError("--save_every must be at least 1: expert iteration checkpoints every N steps and at the end.")
+        if self.eval_every and not self.eval_limit:
+            raise ValueError("--eval_limit 0 leaves nothing to evaluate: raise it, or turn evaluation off with --eval_every 0.")
+
+
+SCRIPTS = {"evaluate": EvalArgs, "sft": SFTArgs, "train_rl": RLArgs, "expert_iteration": EIArgs}  # for "a flag of another script"

@@ -136,7 +136,9 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     kept groups (a collective decision), and the logged numbers are over all ranks.
 
     batch = {"traces": kept traces (lists of rows), "raw_rewards": (kept traces,),
-             "metrics": reward and sampling numbers, "samples": full rollouts for rollouts.jsonl,
+             "metrics": reward and sampling numbers (sampled_tokens: the tokens the policy generated, filtered
+             traces included), "samples": full rollouts for rollouts.jsonl, every sampled trace's, in order,
+             with its reward, format_reward and answer_reward,
              "seconds": {"sample", "score"}}.
     """
     questions = args.rollout_batch_size // args.group_size  # per round, over all ranks
@@ -167,8 +169,9 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
         mode_rows += [t[-1] for t in round_traces]
         lengths += [sum(sum(r.loss_mask) for r in t) for t in round_traces]  # sampled tokens per trace
         samples += [{"prompt": prompt_texts[t[-1].group_id], "response": t[-1].text, "reward": r,
+                     "format_reward": s.get("format_reward"), "answer_reward": s.get("answer_reward"),
                      "ground_truth": asked[t[-1].group_id]["answer"], "rows": len(t), "stats": t[-1].stats}
-                    for t, r in zip(round_traces, raw.tolist())]
+                    for t, r, s in zip(round_traces, raw.tolist(), scores)]
         seconds["score"] += time.perf_counter() - start
         if adaptive_groups:  # more samples for the questions without spread (sampling and scoring)
             start = time.perf_counter()

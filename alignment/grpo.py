@@ -16,7 +16,7 @@ import torch
 
 from alignment.estimators import clamped_log_ratio, compute_gspo_loss, kl_penalty
 
-LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "gspo")
+LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip", "gspo")
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "trace-length")
 
 
@@ -158,6 +158,15 @@ def compute_grpo_clip_loss(advantages: torch.Tensor, policy_log_probs: torch.Ten
     return -torch.minimum(unclipped, clipped), {"clipped": clipped < unclipped}
 
 
+def compute_grpo_no_clip_loss(advantages: torch.Tensor, policy_log_probs: torch.Tensor,
+                              old_log_probs: torch.Tensor) -> torch.Tensor:
+    """GRPO-No-Clip per-token loss (CS336 assignment 5's off-policy clip ablation) (B, T): -ratio * A with
+    ratio = pi / pi_old, the importance-weighted policy-gradient objective without PPO's clip. On-policy
+    (ratio 1) its gradient is REINFORCE with a baseline's, -A * grad log pi; off-policy nothing bounds
+    how far one minibatch can move a token's probability, which is what the ablation measures."""
+    return -torch.exp(clamped_log_ratio(policy_log_probs, old_log_probs)) * _per_row(advantages)
+
+
 def compute_policy_gradient_loss(
     policy_log_probs: torch.Tensor,
     loss_type: str,
@@ -172,7 +181,7 @@ def compute_policy_gradient_loss(
     """Per-token loss (B, T) and metadata for `loss_type`; the one place that branches on it.
 
     no_baseline uses raw_rewards; reinforce_with_baseline uses advantages; grpo_clip uses advantages,
-    old_log_probs, cliprange (and cliprange_high); gspo uses advantages (one per row), old_log_probs,
+    old_log_probs, cliprange (and cliprange_high); grpo_no_clip uses advantages and old_log_probs; gspo uses advantages (one per row), old_log_probs,
     cliprange and response_mask (its ratio is a mean over the row). Arguments a loss type does not use
     are ignored.
     """
@@ -186,6 +195,9 @@ def compute_policy_gradient_loss(
         _require(loss_type, advantages=advantages, old_log_probs=old_log_probs, cliprange=cliprange)
         return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange,
                                       cliprange_high=cliprange_high)
+    elif loss_type == "grpo_no_clip":
+        _require(loss_type, advantages=advantages, old_log_probs=old_log_probs)
+        return compute_grpo_no_clip_loss(advantages, policy_log_probs, old_log_probs), {}
     elif loss_type == "gspo":
         _require(loss_type, advantages=advantages, old_log_probs=old_log_probs, cliprange=cliprange,
                  response_mask=response_mask)

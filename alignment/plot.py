@@ -2,6 +2,7 @@
 
     uv run -m alignment.plot checkpoints/rl/<run>        # writes <run>/curves.png
     uv run -m alignment.plot checkpoints/rl/seed0 checkpoints/rl/seed1 --out seeds.png   # several runs, one plot
+    uv run -m alignment.plot checkpoints/ei/<run> checkpoints/rl/<run> --x generated_tokens --out ei_vs_grpo.png
 
 Panels: reward (training rollouts and evaluation), format and answer rates, response length, entropy.
 """
@@ -21,10 +22,11 @@ PANELS = [
 ]
 
 
-def plot(run_dirs, out: str | Path | None = None) -> Path:
+def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
     """Draw one run (a folder or a list of one) or several on the same axes (e.g. seeds of one recipe):
     with several, each series is labelled with its run's folder name and the PNG goes to `out`
-    (default: curves.png in the first run's parent folder)."""
+    (default: curves.png in the first run's parent folder). `x` is the horizontal axis: the step, or
+    generated_tokens (the tokens sampled so far) to compare runs at equal sampling work (EI against RL)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -34,20 +36,21 @@ def plot(run_dirs, out: str | Path | None = None) -> Path:
     for run_dir in run_dirs:
         path = run_dir / "metrics.jsonl"
         if not path.exists():
-            raise MissingFileError(f"{path} does not exist; pass a run folder written by alignment.train_rl or alignment.sft.")
+            raise MissingFileError(f"{path} does not exist; pass a run folder written by alignment.train_rl, "
+                                   f"alignment.expert_iteration or alignment.sft.")
         runs.append((run_dir.name, read_jsonl(path)))
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
     for ax, (title, series) in zip(axes, PANELS):
         for run_index, (name, records) in enumerate(runs):
             for key, label in series:
-                points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+                points = [(r[x], r[key]) for r in records if r.get(key) is not None and r.get(x) is not None]
                 if points:
                     label = label if len(runs) == 1 else f"{name}: {label}"
                     ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, markersize=3, label=label,
                             color=f"C{run_index}" if len(runs) > 1 else None,
                             linestyle=_style(key, len(runs)))
         ax.set_title(title)
-        ax.set_xlabel("step")
+        ax.set_xlabel(x.replace("_", " "))
         if ax.lines:
             ax.legend(fontsize=6)
     fig.suptitle(", ".join(name for name, _ in runs))
@@ -70,8 +73,10 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", help="one or more run folders with metrics.jsonl (several: one plot)")
     parser.add_argument("--out", default=None, help="PNG path (default <run_dir>/curves.png; several runs: their parent)")
+    parser.add_argument("--x", default="step", choices=("step", "generated_tokens"),
+                        help="horizontal axis: step, or generated_tokens (runs at equal sampling work)")
     args = parser.parse_args(argv)
-    cli(lambda a: print(f"[plot] wrote {plot(a.run_dirs, a.out)}"), args)
+    cli(lambda a: print(f"[plot] wrote {plot(a.run_dirs, a.out, a.x)}"), args)
 
 
 if __name__ == "__main__":

@@ -130,10 +130,13 @@ class Run:
         raise SystemExit(128 + int(distributed.global_max(self.signal)))
 
     def restore(self, model, optimizer) -> dict | None:
-        """When resuming: load the optimizer's state and the RNG states; return the saved trainer state."""
+        """When resuming: load the optimizer's state (unless `optimizer` is None: a loop that starts a fresh
+        one at each checkpoint, as expert iteration does, saves none) and the RNG states; return the saved
+        trainer state."""
         if self.state is None:
             return None
-        distributed.load_optimizer(self.checkpoint / "optimizer", model, optimizer)
+        if optimizer is not None:
+            distributed.load_optimizer(self.checkpoint / "optimizer", model, optimizer)
         torch.set_rng_state(self.state["torch_rng"])
         random.setstate(self.state["python_rng"])
         self.say(f"[run] resumed from {self.checkpoint} at step {self.start_step}")

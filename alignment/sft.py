@@ -77,10 +77,11 @@ def load_eval_rows(args: SFTArgs) -> list[dict]:
                                f"--train_file alone, pass --eval_limit 0 or another --eval_dataset.") from e
 
 
-def batch_indices(step: int, n_examples: int, batch_size: int, seed: int) -> list[int]:
+def batch_indices(step: int, n_examples: int, batch_size: int, seed: int, drop_last: bool = True) -> list[int]:
     """The examples of optimizer step `step`: a fresh seeded shuffle each epoch (the last partial batch
-    is dropped), so the data order depends only on (seed, step) and a resumed run sees the same batches."""
-    steps_per_epoch = n_examples // batch_size
+    is dropped unless `drop_last` is False), so the data order depends only on (seed, step) and a resumed
+    run sees the same batches."""
+    steps_per_epoch = n_examples // batch_size if drop_last else math.ceil(n_examples / batch_size)
     epoch, position = divmod(step, steps_per_epoch)
     order = list(range(n_examples))
     random.Random(seed * 1_000_003 + epoch).shuffle(order)
@@ -177,25 +178,13 @@ def main(args: SFTArgs) -> dict:
                disable=not run.main)
     with run.stop_on_signal():  # the first Ctrl-C or SIGTERM ends the run after this step, saved
         for step in bar:
-            step_start = time.perf_counter()
             batch = [examples[i] for i in batch_indices(step, len(examples), args.batch_size, args.seed)]
-            batch.sort(key=lambda e: len(e["prompt"]) + len(e["response"]))  # less padding per microbatch
-            batch = batch[distributed.rank()::world]  # this rank's share (all of it in one process)
-            optimizer.zero_grad(set_to_none=True)
-            counts = accumulate_gradients(model, tokenizer, batch, args.microbatch_size, accumulation, input_device,
-                                          autocast)
-            grad_norm = distributed.grad_norm_and_clip(model, args.max_grad_norm)
-            nll, n_response_tokens, n_tokens = distributed.global_sums(counts)
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
+            record = {"step": step + 1, **train_step(model, tokenizer, optimizer, scheduler, batch, args, input_device,
+                                                     autocast)}
             push.policy_changed()
-            seconds = time.perf_counter() - step_start
-            record = {"step": step + 1, "loss": nll / max(n_response_tokens, 1), "lr": lr, "grad_norm": grad_norm,
-                      "tokens_per_s": n_tokens / seconds, "response_tokens": n_response_tokens, "seconds": seconds}
             run.log(record)
-            run.say(f"step {step + 1}/{total_steps} | loss {record['loss']:.3f} | lr {lr:.1e} | grad "
-                    f"{grad_norm:.2f} | tok/s {record['tokens_per_s']:.0f} | {seconds:.1f}s")
+            run.say(f"step {step + 1}/{total_steps} | loss {record['loss']:.3f} | lr {record['lr']:.1e} | grad "
+                    f"{record['grad_norm']:.2f} | tok/s {record['tokens_per_s']:.0f} | {record['seconds']:.1f}s")
             done = step + 1 == total_steps
             if done or (args.eval_every and (step + 1) % args.eval_every == 0):
                 last_eval = evaluate_and_log(step + 1)
@@ -213,10 +202,34 @@ def main(args: SFTArgs) -> dict:
             "last_loss": record and record["loss"], "train_seconds": elapsed, "run_dir": str(run.dir)}
 
 
+def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], args, device: str, autocast) -> dict:
+    """One optimizer step on `batch` (every rank's examples; this rank takes its share): zero the gradients,
+    accumulate them over microbatches of `args.microbatch_size`, clip to `args.max_grad_norm`, step the
+    optimizer and the schedule. Each example weighs the same, also in a short last batch. Returns loss (mean
+    negative log-likelihood per response token, over every rank), lr, grad_norm, tokens_per_s,
+    response_tokens and seconds."""
+    start = time.perf_counter()
+    batch = sorted(batch, key=lambda e: len(e["prompt"]) + len(e["response"]))  # less padding per microbatch
+    batch = batch[distributed.rank()::distributed.world_size()]  # this rank's share (all of it in one process)
+    optimizer.zero_grad(set_to_none=True)
+    counts = accumulate_gradients(model, tokenizer, batch, args.microbatch_size,
+                                  math.ceil(len(batch) / args.microbatch_size), device, autocast)
+    grad_norm = distributed.grad_norm_and_clip(model, args.max_grad_norm)
+    nll, n_response_tokens, n_tokens = distributed.global_sums(counts)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    seconds = time.perf_counter() - start
+    return {"loss": nll / max(n_response_tokens, 1), "lr": lr, "grad_norm": grad_norm, "tokens_per_s": n_tokens / seconds,
+            "response_tokens": n_response_tokens, "seconds": seconds}
+
+
 def accumulate_gradients(model, tokenizer, examples: list[dict], microbatch_size: int, accumulation: int,
                          device: str, autocast) -> list[float]:
-    """Forward (under `autocast`) and backward over `examples` in microbatches (`sft_microbatch_train_step`,
-    gradients accumulate); returns [summed negative log-likelihood, response tokens, all tokens]."""
+    """Forward (under `autocast`) and backward over `examples` in `accumulation` microbatches of at most
+    `microbatch_size` (`sft_microbatch_train_step`, gradients accumulate; each example weighs 1 / len(examples),
+    also when the last microbatch is short); returns [summed negative log-likelihood, response tokens, all
+    tokens]."""
     nll, n_response_tokens, n_tokens = 0.0, 0, 0
     for i in range(0, len(examples), microbatch_size):
         micro = examples[i:i + microbatch_size]
@@ -226,7 +239,10 @@ def accumulate_gradients(model, tokenizer, examples: list[dict], microbatch_size
         mask = tokens["response_mask"].to(device)
         with autocast:
             log_probs = get_response_log_probs(model, input_ids, labels)["log_probs"]  # (B, T)
-        _, meta = sft_microbatch_train_step(log_probs, mask, accumulation)
+        # 1.0 when the microbatches are equal; else it turns the step's 1 / (len(micro) * accumulation) into
+        # 1 / len(examples)
+        _, meta = sft_microbatch_train_step(log_probs, mask, accumulation,
+                                            normalize_constant=len(examples) / (len(micro) * accumulation))
         nll -= (log_probs.detach() * mask).sum().item()
         n_response_tokens += int(meta["num_response_tokens"])
         n_tokens += input_ids.numel()

@@ -97,7 +97,7 @@ def main(args: RLArgs) -> dict:
     args.check()
     device = distributed.setup()
     _refuse_under_torchrun(args, device)
-    run = Run(args, f"checkpoints/rl/{args.loss_type}-{time.strftime('%Y%m%d-%H%M%S')}", _start_model(args),
+    run = Run(args, f"checkpoints/rl/{args.loss_type}-{time.strftime('%Y%m%d-%H%M%S')}", start_model(args),
               RESUMABLE_CHANGES)
     roles = (dict(policy=[device], sample=device, reference=device, eval=device, critic=device) if device else
              models.assign_device_roles(models.available_devices(), args.sample_device, args.reference_model_device,
@@ -123,6 +123,7 @@ def main(args: RLArgs) -> dict:
     if m.critic is not None and state:
         m.critic_optimizer.load_state_dict(state["critic_optimizer"])
     bad_steps, score = state.get("bad_steps", 0), make_scorer(args)
+    generated_tokens = state.get("generated_tokens", 0)  # cumulative: compares runs at equal sampling work
 
     def collect(step: int, drawn: int):  # drawn: the position in the question stream
         return collect_rollouts(args, step, drawn, train_rows, m.sampler, m.tokenizer, score)
@@ -140,7 +141,7 @@ def main(args: RLArgs) -> dict:
                 summary, _ = evaluate(m.eval_sampler, m.tokenizer, eval_rows, args.prompt,
                                       SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens),
                                       args.chat_template, args.rollout_mode, args, progress=True)
-            run.log({"step": step, **{f"eval_{k}": v for k, v in summary.items()}})
+            run.log({"step": step, "generated_tokens": generated_tokens, **{f"eval_{k}": v for k, v in summary.items()}})
             run.say(f"eval  {step}/{args.n_steps} | {eval_name} x{summary['count']} | format "
                     f"{summary['avg_format_rewards']:.3f} | answer {summary['avg_answer_rewards']:.3f} | reward "
                     f"{summary['avg_all_rewards']:.3f}")
@@ -159,6 +160,7 @@ def main(args: RLArgs) -> dict:
             with contextlib.nullcontext() if args.async_steps else m.autocast:  # async: the sampler is a copy
                 batch = source.take(step)
             times = dict(batch.seconds)  # sample, score (async: in the background; wait and sync in the loop)
+            generated_tokens += int(batch.metrics["sampled_tokens"])
 
             # 3. Before any update: old/reference log-probs, values and advantages. Then the update.
             start, train = time.perf_counter(), _Means()
@@ -172,7 +174,8 @@ def main(args: RLArgs) -> dict:
             times["step"] = time.perf_counter() - step_start  # the step's wall time, evaluation and checkpoint aside
 
             # 4. Log, write a few full rollouts, evaluate, checkpoint.
-            metrics = {"step": step + 1, **batch.metrics, "policy_lag": step - batch.policy_version, **train.means(),
+            metrics = {"step": step + 1, **batch.metrics, "generated_tokens": generated_tokens,
+                       "policy_lag": step - batch.policy_version, **train.means(),
                        **{f"seconds_{k}": v for k, v in times.items()}}
             run.log(metrics)
             run.log_rollouts(step + 1, batch.samples[:args.log_rollouts])
@@ -183,7 +186,7 @@ def main(args: RLArgs) -> dict:
             if stop or (step + 1) % args.save_every == 0 or step + 1 == args.n_steps:
                 critic = {"critic_optimizer": m.critic_optimizer.state_dict()} if m.critic is not None else {}
                 run.save(step + 1, m.policy, m.tokenizer, m.optimizer,
-                         {"bad_steps": bad_steps, **source.state(), **critic},
+                         {"bad_steps": bad_steps, "generated_tokens": generated_tokens, **source.state(), **critic},
                          submodels={"critic": m.critic} if m.critic is not None else None)
             if stop:
                 run.stopped(step + 1)
@@ -212,7 +215,7 @@ def _refuse_under_torchrun(args: RLArgs, device: str):
                         f"groups: make --rollout_batch_size / --group_size a multiple of {world}.")
 
 
-def _start_model(args: RLArgs) -> str | None:
+def start_model(args) -> str | None:
     """The model a new run starts from (a resumed run's folder knows its own). A missing model fails here,
     before the run folder exists; rank 0 converts the packaged model first."""
     if args.resume:

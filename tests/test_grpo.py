@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from alignment.grpo import (LOSS_AGG_MODES, aggregate_loss, approx_kl, compute_grpo_clip_loss,
-                            compute_group_normalized_rewards, compute_naive_policy_gradient_loss,
+                            compute_grpo_no_clip_loss, compute_group_normalized_rewards, compute_naive_policy_gradient_loss,
                             compute_policy_gradient_loss, filter_groups, grpo_microbatch_train_step, loss_weights,
                             masked_mean, masked_normalize, policy_microbatch_train_step, sft_microbatch_train_step,
                             weighted_sum)
@@ -152,6 +152,65 @@ def test_grpo_clip_higher_by_hand():
     assert loss[0, 0].item() == pytest.approx(-1.28)
 
 
+def test_grpo_no_clip_loss_by_hand():
+    adv, logp, old = clip_case()
+    # -ratio * A with ratios 1.5, 0.5, 1.1: nothing is clipped, whatever the sign of A
+    torch.testing.assert_close(compute_grpo_no_clip_loss(adv, logp, old),
+                               torch.tensor([[-1.5, -0.5, -1.1], [1.5, 0.5, 1.1]]))
+    torch.testing.assert_close(compute_grpo_no_clip_loss(adv[:, 0], logp, old),  # (B,) advantages too
+                               compute_grpo_no_clip_loss(adv, logp, old))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_grpo_no_clip_step_equals_a_loop_over_tokens(seed):
+    """Loss and gradient of the loop's step on random masks against a plain loop: per row, the mean over its
+    response tokens of -exp(logp - old) * A, then the mean over rows (the default aggregation)."""
+    _, mask, _ = random_batch(seed)
+    g = torch.Generator().manual_seed(seed + 10)
+    logp = (-torch.rand(mask.shape, generator=g) * 3).requires_grad_()
+    old = logp.detach() + 0.5 * torch.randn(mask.shape, generator=g)
+    adv = torch.randn(mask.shape[0], 1, generator=g)
+    weights = loss_weights("seq-mean-token-mean", mask, num_rows=mask.shape[0])
+    loss, meta = policy_microbatch_train_step(logp, mask, weights, adv, old, "grpo_no_clip")
+    assert "clip_fraction" not in meta  # nothing is clipped; the log line reads 0
+    expected, grad = 0.0, torch.zeros_like(logp)
+    rows, positions = mask.shape
+    for r in range(rows):
+        tokens = [t for t in range(positions) if mask[r, t]]
+        for t in tokens:
+            ratio = math.exp(logp[r, t].item() - old[r, t].item())
+            expected += -ratio * adv[r, 0].item() / len(tokens) / rows
+            grad[r, t] = -ratio * adv[r, 0].item() / len(tokens) / rows  # d(ratio)/d(logp) = ratio
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    torch.testing.assert_close(logp.grad, grad)
+
+
+def test_grpo_no_clip_on_policy_gradient_is_reinforce_with_baselines():
+    """On-policy (old = current, detached) the ratio is 1 and its gradient is grad log pi: the step equals
+    reinforce_with_baseline's, through the logits; off-policy the gradient is scaled by the ratio, unclipped
+    where grpo_clip gives 0."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 9, generator=g, requires_grad=True)
+    labels = torch.randint(0, 9, (3, 4), generator=g)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    adv = torch.tensor([[0.7], [-1.2], [0.4]])
+    weights = loss_weights("seq-mean-token-mean", mask, num_rows=3)
+
+    def gradient(loss_type, shift=0.0):
+        logits.grad = None
+        logp = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)  # (B, T)
+        policy_microbatch_train_step(logp, mask, weights, adv, logp.detach() - shift, loss_type, cliprange=0.2)
+        return logits.grad.clone()
+    no_clip = gradient("grpo_no_clip")
+    torch.testing.assert_close(no_clip, gradient("reinforce_with_baseline"))
+    assert no_clip.abs().sum() > 0
+    # off-policy, every ratio exp(1): no_clip scales the on-policy gradient by e; grpo_clip (ratio far past
+    # 1.2) gives 0 for A > 0 and keeps the A < 0 row unchanged
+    torch.testing.assert_close(gradient("grpo_no_clip", shift=1.0), math.e * no_clip)
+    clipped = gradient("grpo_clip", shift=1.0)
+    assert clipped[[0, 2]].abs().sum() == 0 and clipped[1].abs().sum() > 0
+
+
 def test_policy_gradient_loss_dispatch():
     adv, logp, old = clip_case()
     rewards = torch.tensor([[3.0], [0.0]])
@@ -164,6 +223,11 @@ def test_policy_gradient_loss_dispatch():
     out, meta = compute_policy_gradient_loss(logp, "grpo_clip", junk, adv, old, 0.2)
     torch.testing.assert_close(out, compute_grpo_clip_loss(adv, logp, old, 0.2)[0])
     assert meta["clipped"].any()
+    out, meta = compute_policy_gradient_loss(logp, "grpo_no_clip", junk, adv, old, junk)
+    torch.testing.assert_close(out, compute_grpo_no_clip_loss(adv, logp, old))
+    assert meta == {}
+    with pytest.raises(ValueError, match="needs old_log_probs"):
+        compute_policy_gradient_loss(logp, "grpo_no_clip", advantages=adv)
     with pytest.raises(ValueError, match="no_baseline, reinforce_with_baseline, grpo_clip"):
         compute_policy_gradient_loss(logp, "ppo", rewards, adv, old, 0.2)
     with pytest.raises(ValueError, match="old_log_probs"):

@@ -1,3 +1,4 @@
+import contextlib
 import json
 import math
 
@@ -165,3 +166,25 @@ def test_a_train_file_run_needs_no_gsm8k_and_says_how_to_skip_the_evaluation(tin
     rg = sft.main(tiny_args(tiny_model_dir, tmp_path / "c", train_file=str(path), data_dir=str(empty),
                             eval_dataset="rg:basic_arithmetic", eval_limit=2))
     assert rg["last_eval"]["count"] == 2
+
+
+def test_a_short_last_microbatch_weighs_each_example_the_same(tiny_model, tokenizer):
+    examples = [{"prompt": f"Question {i}:", "response": f" answer {'is ' * i}{i}"} for i in range(3)]
+
+    def gradient(microbatch_size):
+        tiny_model.zero_grad(set_to_none=True)
+        accumulation = math.ceil(len(examples) / microbatch_size)
+        sft.accumulate_gradients(tiny_model, tokenizer, examples, microbatch_size, accumulation, "cpu",
+                                 contextlib.nullcontext())
+        return torch.cat([p.grad.flatten() for p in tiny_model.parameters()])
+    whole = gradient(3)  # one microbatch of 3: the mean over the 3 examples
+    torch.testing.assert_close(gradient(2), whole)  # 2 + 1
+    torch.testing.assert_close(gradient(1), whole)  # 1 + 1 + 1
+    assert whole.abs().sum() > 0
+
+
+def test_batches_may_keep_the_short_last_one():
+    kept = [sft.batch_indices(s, 5, 2, seed=0, drop_last=False) for s in range(3)]
+    assert [len(b) for b in kept] == [2, 2, 1] and sorted(sum(kept, [])) == list(range(5))
+    assert sft.batch_indices(3, 5, 2, seed=0, drop_last=False) != kept[0]  # the next epoch, a new order
+    assert sft.batch_indices(0, 3, 8, seed=0, drop_last=False) != []  # fewer examples than one batch: one step

@@ -78,6 +78,12 @@ def test_resume_after_a_crash_replays_the_same_questions_and_weights(tiny_model_
         return [(r["step"], r["prompt"]) for r in read_jsonl(tmp_path / run / "rollouts.jsonl")]
     assert prompts("crashed") == prompts("whole")
     assert [m["step"] for m in read_jsonl(tmp_path / "crashed" / "metrics.jsonl")] == [1, 2, 3]
+
+    def generated(run):  # cumulative over the run, across the resume too
+        return [m["generated_tokens"] for m in read_jsonl(tmp_path / run / "metrics.jsonl")]
+    steps = read_jsonl(tmp_path / "whole" / "metrics.jsonl")
+    per_step = [round(m["response_tokens"] * whole.rollout_batch_size) for m in steps]
+    assert generated("crashed") == generated("whole") == [sum(per_step[:i + 1]) for i in range(3)]
     a = models.load_model(str(tmp_path / "whole" / "checkpoint"))
     b = models.load_model(str(tmp_path / "crashed" / "checkpoint"))
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
@@ -386,6 +392,7 @@ def test_user_errors_end_in_one_line(tiny_model_dir, tmp_path, monkeypatch, caps
     {"advantage_estimator": "reinforce_pp_baseline", "kl_coef": 0.05, "kl_in_reward": True, "kl_estimator": "k1"},
     {"advantage_estimator": "gae", "gamma": 0.99, "lam": 0.95},
     {"loss_type": "gspo", "train_batch_size": 4, "epochs_per_rollout_batch": 2},
+    {"loss_type": "grpo_no_clip", "train_batch_size": 4, "epochs_per_rollout_batch": 2},  # off-policy: has a ratio
     {"entropy_coef": 0.01, "kl_coef": 0.05, "kl_estimator": "k2"},
 ])
 def test_two_steps_with_each_estimator(tiny_model_dir, tmp_path, parity, overrides):
