@@ -43,9 +43,9 @@ def add_lora(model, args, adapter_dir=None):
     if adapter_dir is not None:
         return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
     targets = args.lora_target_modules.strip()
+    names = targets if targets == "all-linear" else [name.strip() for name in targets.split(",") if name.strip()]
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()],
-                        task_type="CAUSAL_LM")
+                        target_modules=names, task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, config)
     except ValueError as e:  # a target module the model does not have

@@ -152,7 +152,8 @@ def main(args: SFTArgs) -> dict:
         scheduler.load_state_dict(state["scheduler"])
     run.say(f"[sft] {run.weights}: {len(examples)} examples x {args.epochs} epoch(s) = {total_steps} steps of "
             f"{args.batch_size} ({world} process(es) x {accumulation} microbatches of {args.microbatch_size}), "
-            f"lr {args.lr:g}, warmup {warmup_steps}, {lora.describe(model, args)}, policy on {', '.join(roles['policy'])}, precision "
+            f"lr {args.lr:g}, warmup {warmup_steps}, {lora.describe(model, args)}, policy on "
+            f"{', '.join(roles['policy'])}, precision "
             f"{models.resolve_precision(args.precision, input_device)} ({args.precision}), starting at step "
             f"{run.start_step}; run folder {run.dir}")
 
@@ -194,7 +195,8 @@ def main(args: SFTArgs) -> dict:
             push.policy_changed()
             seconds = time.perf_counter() - step_start
             record = {"step": step + 1, "loss": nll / max(n_response_tokens, 1), "lr": lr, "grad_norm": grad_norm,
-                      "tokens_per_s": n_tokens / seconds, "response_tokens": n_response_tokens, "seconds": seconds, **once}
+                      "tokens_per_s": n_tokens / seconds, "response_tokens": n_response_tokens, "seconds": seconds,
+                      **once}
             once = {}
             run.log(record)
             run.say(f"step {step + 1}/{total_steps} | loss {record['loss']:.3f} | lr {lr:.1e} | grad "
