@@ -198,7 +198,8 @@ def test_lora_with_vllm_gets_the_merged_weights(tiny_model_dir, tmp_path, parity
                                learning_rate=5e-2, kl_coef=0.1, **LORA))
     steps = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [m["policy_lag"] for m in steps] == [0, async_steps, async_steps]
-    assert all(m["grad_norm"] > 0 and m["sampler_logprob_diff"] < 1e-2 for m in steps)
+    assert all(m["grad_norm"] > 0 for m in steps)
+    assert all(m["sampler_logprob_diff"] < 1e-3 for m in steps if not m["policy_lag"])  # lag 1 differs by a step
     [engine] = made
     if not async_steps:  # synchronous: the engine got every step's merged weights, the last one included
         merged, start = models.load_model(str(tmp_path / "run")), models.load_model(tiny_model_dir)
