@@ -37,6 +37,7 @@ GROUPS = {
         "train_mini_batch_size", "epochs_per_rollout_batch", "batch_size", "microbatch_size", "learning_rate", "lr",
         "warmup_ratio", "weight_decay", "max_grad_norm", "critic_model", "critic_learning_rate", "cliprange_value",
         "value_loss_coef", "critic_warmup_steps"),
+    "LoRA adapters": ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"),
     "rollout modes": ("rollout_mode", "delethink_chunk_size", "delethink_carryover", "delethink_keep_head",
                       "delethink_max_turns", "max_tool_calls", "tool_timeout", "mask_observations", "tir_reward_scheme",
                       "exec_penalty"),
@@ -138,13 +139,15 @@ POSITIVE = {"delethink_chunk_size", "delethink_max_turns", "tool_timeout", "gpu_
             "rollout_is_threshold", "critic_learning_rate", "cliprange_value", "max_sampling_rounds",
             "sampling_temperature", "sampling_top_p", "sampling_max_tokens", "learning_rate", "max_grad_norm",
             "n_steps", "eval_max_tokens", "sample_batch_size", "epochs", "batch_size", "microbatch_size", "lr",
-            "eval_batch_size", "n_samples", "top_p", "max_tokens", "n_ei_steps", "questions_per_step", "sft_epochs"}
+            "eval_batch_size", "n_samples", "top_p", "max_tokens", "n_ei_steps", "questions_per_step", "sft_epochs",
+            "lora_alpha"}
 AT_LEAST_ZERO = {"delethink_carryover", "delethink_keep_head", "max_tool_calls", "exec_penalty", "gamma", "lam",
                  "kl_coef", "entropy_coef", "async_steps", "value_loss_coef", "critic_warmup_steps", "filter_low",
                  "filter_high", "group_size_max", "sampling_min_tokens", "weight_decay", "eval_every", "eval_limit", "save_every",
-                 "log_rollouts", "seed", "max_examples", "max_response_tokens", "warmup_ratio", "limit", "temperature"}
+                 "log_rollouts", "seed", "max_examples", "max_response_tokens", "warmup_ratio", "limit", "temperature",
+                 "lora_rank", "lora_dropout"}
 AT_MOST_ONE = {"gamma", "lam", "filter_low", "filter_high", "warmup_ratio", "gpu_memory_utilization", "sampling_top_p",
-               "top_p"}
+               "top_p", "lora_dropout"}
 
 
 def check_values(args):
@@ -235,6 +238,22 @@ class SamplerArgs:
 
 
 @dataclass
+class LoraArgs:
+    """LoRA adapters instead of full fine-tuning (alignment/lora.py, with peft), the same for SFT and RL."""
+
+    lora_rank: int = arg(0, "rank of LoRA adapters to train instead of every weight (0: full fine-tuning); LoRA Without Regret: ranks 1-8 match full fine-tuning in RL, at ~10x its learning rate")
+    lora_alpha: int = arg(32, "LoRA's alpha: the adapters' product is scaled by alpha / rank (32 as in LoRA Without Regret, which keeps the best learning rate about the same across ranks)")
+    lora_dropout: float = arg(0.0, "dropout on the adapters' input while training (in RL it makes the learner's log-probs differ from the sampler's)")
+    lora_target_modules: str = arg("all-linear", "layers that get adapters: all-linear (every linear layer of the decoder; not the output head) or comma-separated module names, e.g. q_proj,v_proj")
+
+    def check_lora(self):
+        if self.lora_dropout >= 1:
+            raise ValueError(f"--lora_dropout {self.lora_dropout} would drop every input of the adapters: use less than 1.")
+        if not self.lora_target_modules.strip(" ,"):
+            raise ValueError("--lora_target_modules is empty: use all-linear or name modules, e.g. q_proj,v_proj.")
+
+
+@dataclass
 class EvalArgs(SamplerArgs, RolloutArgs):
     """Measure a model on GSM8K or a MATH-style set: format, answer and overall reward; pass@k, maj@k."""
 
@@ -271,7 +290,7 @@ class EvalArgs(SamplerArgs, RolloutArgs):
 
 
 @dataclass
-class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
+class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
     """Policy-gradient RL on math questions: REINFORCE, REINFORCE with a group baseline, GRPO-clip, GSPO; advantages from group normalisation, RLOO, REINFORCE++ or PPO's GAE with a critic."""
 
     model: str | None = arg(None, "policy to start from (default checkpoints/math_sft if it exists, else smollm2-135m)")
@@ -344,6 +363,7 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
         check_values(self)
         self.check_rollout()
         self.check_run()
+        self.check_lora()
         if self.loss_type == "no_baseline" and self.advantage_estimator == "grpo":
             self.advantage_estimator = "none"  # implied: REINFORCE without a baseline trains on the raw reward
         per_token = self.advantage_estimator in TOKEN_LEVEL_ESTIMATORS
@@ -412,7 +432,7 @@ class RLArgs(RunArgs, SamplerArgs, RolloutArgs):
 
 
 @dataclass
-class SFTArgs(RunArgs, SamplerArgs):
+class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     """Supervised fine-tuning on reasoning traces (GSM8K reference solutions, or your own JSONL)."""
 
     model: str = arg("smollm2-135m", "policy to fine-tune: hub id, local HF folder or smollm2-135m (packaged, offline)")
@@ -439,6 +459,7 @@ class SFTArgs(RunArgs, SamplerArgs):
     def check(self):
         check_values(self)
         self.check_run()
+        self.check_lora()
         if self.microbatch_size < 1 or self.batch_size % self.microbatch_size:
             raise ValueError(f"--batch_size {self.batch_size} must be a positive multiple of --microbatch_size "
                              f"{self.microbatch_size}; change one of them.")

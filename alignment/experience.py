@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from alignment import adaptive, distributed, tir
+from alignment import adaptive, distributed, lora, tir
 from alignment.args import TOKEN_LEVEL_ESTIMATORS
 from alignment.estimators import (compute_gae_advantages, compute_reinforce_pp_advantages, compute_rloo_advantages,
                                   explained_variance, kl_penalty, outcome_token_rewards, pool_statistics,
@@ -226,7 +226,8 @@ def build_experience(args, batch: Batch, policy, reference, critic, autocast) ->
                                                            one_forward=sharded)["log_probs"],
                             model, rows, width, args.train_mini_batch_size, autocast, collective=sharded)
     old = log_probs(policy, distributed.launched()) if not on_policy or args.kl_in_reward else None
-    ref = log_probs(reference) if reference is not None else None
+    with lora.frozen(reference):  # a LoRA policy as its own reference: its adapters off
+        ref = log_probs(reference) if reference is not None else None
     token_kl = kl_penalty(old, ref, args.kl_estimator) if args.kl_in_reward else None
     values = (no_grad_rows(lambda p, r: rollout_values(critic, p, r), critic, rows, width,
                            args.train_mini_batch_size, autocast) if critic is not None else None)

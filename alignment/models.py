@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
                           LlamaForCausalLM)
 
-from alignment import distributed
+from alignment import distributed, lora
 from alignment.errors import MissingFileError, UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -205,7 +205,8 @@ def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None =
     """Write weights + tokenizer + resolved config atomically: a crash mid-save leaves the old copy.
 
     `extra` maps file names to objects saved with torch.save next to the weights (RNG, step, ...);
-    `submodels` maps folder names to more models saved inside it in HF format (the critic); `optimizer`'s
+    `submodels` maps folder names to more models saved inside it in HF format (the critic); a LoRA policy is
+    saved merged, with its adapters in adapter/ (lora.save); `optimizer`'s
     state goes to optimizer/ with torch.distributed.checkpoint. Under torchrun every rank calls this: the
     FSDP-sharded weights are gathered into an HF-format export (in the parameters' dtype: fp32 master
     weights), each rank writes its own optimizer shards, and rank 0 writes the rest and renames.
@@ -227,7 +228,10 @@ def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None =
     if optimizer is not None:
         distributed.save_optimizer(tmp / "optimizer", model, optimizer)
     if main:
-        model.save_pretrained(tmp, state_dict=full_state)
+        if lora.is_lora(model):  # the merged weights in HF format, and the adapters for --resume
+            lora.save(model, tmp)
+        else:
+            model.save_pretrained(tmp, state_dict=full_state)
         tokenizer.save_pretrained(tmp)
         if config is not None:
             (tmp / "run_config.json").write_text(json.dumps(config, indent=2, default=str))
@@ -314,3 +318,12 @@ def load_policy_model(name: str, policy_devices: list[str], dtype: torch.dtype |
     num_layers = AutoConfig.from_pretrained(resolve_model(name)).num_hidden_layers
     device_map = partition_layers(num_layers, policy_devices)
     return load_model(name, policy_devices[0], dtype, device_map=device_map)
+
+
+def load_policy(run, args, devices: list[str], dtype: torch.dtype):
+    """The policy a run trains: the run's weights (its checkpoint on resume); with --lora_rank, the run's start
+    model with LoRA adapters, fresh or, on resume, the checkpoint's (lora.py)."""
+    if not args.lora_rank:
+        return load_policy_model(run.weights, devices, dtype)
+    base = load_policy_model(run.start_model, devices, dtype)
+    return lora.add_lora(base, args, run.checkpoint / lora.ADAPTER_DIR if run.state else None)

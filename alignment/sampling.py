@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from alignment import distributed, models
+from alignment import distributed, lora, models
 from alignment.errors import UserError
 
 
@@ -304,7 +304,8 @@ class VLLMSampler:
 class WeightPush:
     """Pushes the policy's weights to samplers that hold their own copy (vLLM, or HF on another device),
     once per policy version: a sampler already in sync is not pushed again (e.g. evaluation right after
-    the step's push), and one that shares the policy's modules never is."""
+    the step's push), and one that shares the policy's modules never is (it runs a LoRA policy's adapters
+    itself). A LoRA policy pushes its merged weights under the base model's names (lora.export_items)."""
 
     def __init__(self, policy):
         self.policy, self.version, self.pushed = policy, 0, {}
@@ -317,7 +318,7 @@ class WeightPush:
         if getattr(sampler, "model", None) is self.policy or self.pushed.get(id(sampler), 0) == self.version:
             return 0.0
         start = time.perf_counter()
-        sampler.load_weights(distributed.full_state_items(self.policy))
+        sampler.load_weights(lora.export_items(self.policy))  # a LoRA policy's merged weights
         self.pushed[id(sampler)] = self.version
         return time.perf_counter() - start
 

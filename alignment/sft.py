@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from alignment import data, distributed, models
+from alignment import data, distributed, lora, models
 from alignment.args import SFTArgs, parse
 from alignment.errors import MissingFileError, UserError, cli
 from alignment.evaluate import evaluate
@@ -114,6 +114,7 @@ def main(args: SFTArgs) -> dict:
     if args.batch_size % (world * args.microbatch_size):
         raise UserError(f"--batch_size {args.batch_size} must split into {world} process(es) x microbatches of "
                         f"{args.microbatch_size}; change --batch_size or --microbatch_size.")
+    lora.refuse_under_torchrun(args)
     if device and args.backend == "vllm":
         raise UserError("under torchrun SFT evaluates with HF on rank 0: use --backend hf (or auto), or run "
                         "without torchrun.")
@@ -137,7 +138,7 @@ def main(args: SFTArgs) -> dict:
     roles = {"policy": [device]} if device else models.assign_device_roles(models.available_devices())
     input_device = roles["policy"][0]
     dtype, autocast = models.train_precision(input_device, args.precision)
-    model = models.load_policy_model(run.weights, roles["policy"], dtype)
+    model = models.load_policy(run, args, roles["policy"], dtype)  # with --lora_rank: adapters on the start model
     if input_device.startswith("cuda"):
         model.gradient_checkpointing_enable()
     if device:
@@ -145,14 +146,15 @@ def main(args: SFTArgs) -> dict:
     model.train()
     sampler = _eval_sampler(args, run, model, tokenizer, device, input_device)
     push = WeightPush(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps))
     state = run.restore(model, optimizer)
     if state:
         scheduler.load_state_dict(state["scheduler"])
     run.say(f"[sft] {run.weights}: {len(examples)} examples x {args.epochs} epoch(s) = {total_steps} steps of "
             f"{args.batch_size} ({world} process(es) x {accumulation} microbatches of {args.microbatch_size}), "
-            f"lr {args.lr:g}, warmup {warmup_steps}, policy on {', '.join(roles['policy'])}, precision "
+            f"lr {args.lr:g}, warmup {warmup_steps}, {lora.describe(model, args)}, policy on "
+            f"{', '.join(roles['policy'])}, precision "
             f"{models.resolve_precision(args.precision, input_device)} ({args.precision}), starting at step "
             f"{run.start_step}; run folder {run.dir}")
 
@@ -173,6 +175,7 @@ def main(args: SFTArgs) -> dict:
 
     first_eval = evaluate_and_log(0) if run.start_step == 0 else None
     last_eval, record = first_eval, None
+    once = {"trainable_params": sum(p.numel() for p in lora.trainable_parameters(model))}  # in the first record
     start_time = time.perf_counter()
     bar = tqdm(range(run.start_step, total_steps), initial=run.start_step, total=total_steps, desc="sft", unit="step",
                disable=not run.main)
@@ -182,6 +185,8 @@ def main(args: SFTArgs) -> dict:
             record = {"step": step + 1, **train_step(model, tokenizer, optimizer, scheduler, batch, args, input_device,
                                                      autocast)}
             push.policy_changed()
+            record.update(once)
+            once = {}
             run.log(record)
             run.say(f"step {step + 1}/{total_steps} | loss {record['loss']:.3f} | lr {record['lr']:.1e} | grad "
                     f"{record['grad_norm']:.2f} | tok/s {record['tokens_per_s']:.0f} | {record['seconds']:.1f}s")

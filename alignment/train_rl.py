@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from alignment import data, distributed, models, tir
+from alignment import data, distributed, lora, models, tir
 from alignment.args import RLArgs, parse
 from alignment.async_rollouts import RolloutSource
 from alignment.errors import UserError, cli
@@ -78,8 +78,8 @@ def load_questions(args: RLArgs, log=print) -> tuple[list[dict], list[dict], str
 class Models:
     """What the loop runs. The policy trains in fp32 master weights (FSDP2-sharded under torchrun); the
     sampler shares its weights when it can, else holds its own copy (refreshed by the weight push); the
-    frozen reference is the run's starting model, also after a resume (only when kl_coef > 0); the critic
-    is for gae only."""
+    frozen reference is the run's starting model, also after a resume (only when kl_coef > 0; with LoRA the
+    policy itself, run with its adapters off); the critic is for gae only."""
 
     tokenizer: object
     policy: torch.nn.Module
@@ -118,6 +118,10 @@ def main(args: RLArgs) -> dict:
     # Data first: a bad dataset or file fails before a minute of model loading.
     train_rows, eval_rows, eval_name = load_questions(args, run.say)
     m = load_models(args, run, roles, device, backend)
+    reference = ("the policy with its adapters off (no second copy)" if m.reference is m.policy else
+                 f"{run.start_model} on {roles['reference']}" if m.reference is not None else "none (--kl_coef 0)")
+    run.say(f"[train_rl] policy: {lora.describe(m.policy, args)}; KL reference: {reference}")
+    once = {"trainable_params": sum(p.numel() for p in lora.trainable_parameters(m.policy))}  # in the first record
     push = WeightPush(m.policy)
     state = run.restore(m.policy, m.optimizer) or {}
     if m.critic is not None and state:
@@ -176,7 +180,8 @@ def main(args: RLArgs) -> dict:
             # 4. Log, write a few full rollouts, evaluate, checkpoint.
             metrics = {"step": step + 1, **batch.metrics, "generated_tokens": generated_tokens,
                        "policy_lag": step - batch.policy_version, **train.means(),
-                       **{f"seconds_{k}": v for k, v in times.items()}}
+                       **{f"seconds_{k}": v for k, v in times.items()}, **once}
+            once = {}
             run.log(metrics)
             run.log_rollouts(step + 1, batch.samples[:args.log_rollouts])
             run.say(_log_line(metrics, args.n_steps))
@@ -197,6 +202,7 @@ def main(args: RLArgs) -> dict:
 def _refuse_under_torchrun(args: RLArgs, device: str):
     if not device:
         return
+    lora.refuse_under_torchrun(args)
     distributed.refuse({"--sample_device": args.sample_device, "--reference_model_device": args.reference_model_device,
                         "--eval_device": args.eval_device, "--critic_device": args.critic_device})
     if args.async_steps:
@@ -230,7 +236,7 @@ def start_model(args) -> str | None:
 def load_models(args: RLArgs, run: Run, roles: dict, device: str, backend: str) -> Models:
     tokenizer = models.load_tokenizer(run.weights)
     dtype, autocast = models.train_precision(roles["policy"][0], args.precision, args.bf16_weights)
-    policy = models.load_policy_model(run.weights, roles["policy"], dtype)
+    policy = models.load_policy(run, args, roles["policy"], dtype)
     if device:
         distributed.shard(policy, device, bf16=models.resolve_precision(args.precision, device) == "bf16")
 
@@ -242,11 +248,12 @@ def load_models(args: RLArgs, run: Run, roles: dict, device: str, backend: str) 
     else:
         sampler = make_sampler(backend, None, tokenizer, models.resolve_model(run.weights), roles["sample"],
                                seed=args.seed, **args.vllm_options())
-    reference = copy(run.start_model, "reference") if args.kl_coef > 0 else None
+    # LoRA: the policy with its adapters off is the start model (build_experience runs it in lora.frozen)
+    reference = (policy if lora.is_lora(policy) else copy(run.start_model, "reference")) if args.kl_coef > 0 else None
     eval_sampler = sampler if roles["eval"] == roles["sample"] else HFSampler(
         policy if roles["eval"] in roles["policy"] else copy(run.weights, "eval"), tokenizer)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(lora.trainable_parameters(policy), lr=args.learning_rate,
+                                  weight_decay=args.weight_decay, betas=(0.9, 0.95))
     critic = critic_optimizer = None
     if args.advantage_estimator == "gae":
         critic = models.load_critic(str(run.checkpoint / "critic") if run.state else args.critic_model or run.start_model,
