@@ -118,12 +118,14 @@ def test_a_signal_stops_rl_after_its_step_with_a_checkpoint_and_resume_goes_on(t
     whole = tiny_args(tiny_model_dir, tmp_path / "whole", n_steps=3, save_every=10)
     train_rl.main(whole)
     monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (send_at_call(signum, whole.rollout_batch_size), ()))
+    # what the handlers were (SIG_IGN for SIGINT where the shell started the tests with `nohup ... &`)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with pytest.raises(SystemExit) as exit_info:  # the signal arrives while step 2 is scored
         train_rl.main(tiny_args(tiny_model_dir, tmp_path / "stopped", n_steps=3, save_every=10))
     assert exit_info.value.code == 128 + signum
     assert [m["step"] for m in read_jsonl(tmp_path / "stopped" / "metrics.jsonl")] == [1, 2]
     assert torch.load(tmp_path / "stopped" / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 2
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
+    assert {s: signal.getsignal(s) for s in before} == before  # the handlers are put back
 
     monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (parity_reward, ()))
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "stopped", n_steps=3, save_every=10,
