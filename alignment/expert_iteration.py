@@ -115,7 +115,8 @@ def main(args: EIArgs) -> dict:
         model.eval()
         with autocast:
             summary, _ = evaluate(sampler, tokenizer, eval_rows, args.prompt,
-                                  SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens), args.chat_template)
+                                  SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens), args.chat_template,
+                                  progress=True)
         run.log({"step": step, "generated_tokens": generated_tokens, **{f"eval_{k}": v for k, v in summary.items()}})
         run.say(f"eval  {step}/{args.n_ei_steps} | {eval_name} x{summary['count']} | format "
                 f"{summary['avg_format_rewards']:.3f} | answer {summary['avg_answer_rewards']:.3f} | reward "
