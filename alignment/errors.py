@@ -18,9 +18,15 @@ class MissingFileError(UserError, FileNotFoundError):
 
 
 def cli(main, args):
-    """Run `main(args)`; a UserError ends the program with its one sentence and exit status 2."""
+    """Run `main(args)`; a UserError ends the program with its one sentence and exit status 2, and a Ctrl-C
+    that stops the run at once (the second one; the first saves after the step, see run.py) with one line
+    and status 130."""
     try:
         return main(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("\nstopped at once: the step in progress is lost; the last checkpoint is kept (continue with "
+              "--resume <run folder>).", file=sys.stderr)
+        sys.exit(130)

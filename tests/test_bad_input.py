@@ -197,3 +197,14 @@ def test_choices_are_checked_by_name_and_hyphens_mean_underscores(capsys):
     args = parse(RLArgs, ["--sampling-max-tokens=7", "--no-mask-observations", "--dataset", "rg:a-b"])
     assert args.sampling_max_tokens == 7 and not args.mask_observations and args.dataset == "rg:a-b"
     assert "did you mean --rollout_is?" in one_error_line(capsys, RLArgs, ["--rollout_i", "mask"])  # no abbreviations
+
+
+def test_a_second_ctrl_c_ends_in_one_line_without_a_traceback(capsys):
+    from alignment.errors import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    with pytest.raises(SystemExit) as exit_info:
+        cli(interrupted, None)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 130 and "\n" not in err and "--resume" in err and "Traceback" not in err
