@@ -45,7 +45,7 @@ GROUPS = {
                              "backend", "precision", "bf16_weights", "sample_batch_size", "eval_batch_size",
                              "gpu_memory_utilization", "kv_cache_gib", "vllm_enforce_eager", "vllm_max_model_len"),
     "run folder, evaluation and logging": ("output_dir", "resume", "overwrite", "save_every", "eval_every",
-                                           "eval_limit", "eval_max_tokens", "log_rollouts", "logger"),
+                                           "eval_before_train", "eval_limit", "eval_max_tokens", "log_rollouts", "logger"),
 }
 
 
@@ -347,6 +347,7 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
     max_grad_norm: float = arg(1.0, "gradient clipping norm")
     n_steps: int = arg(25, "RL steps (one rollout batch each); 25 fit ~30 min on 2 CPU cores")
     eval_every: int = arg(5, "evaluate every N steps (and before the first and after the last); 0: never")
+    eval_before_train: bool = arg(True, "evaluate the start model before step 1 (--no_eval_before_train where another run from the same start model measured it: a sweep)")
     eval_limit: int = arg(100, "questions in each periodic evaluation")
     eval_max_tokens: int = arg(128, "generated tokens per evaluation answer")
     save_every: int = arg(10, "checkpoint every N steps (and at the end)")

@@ -151,7 +151,7 @@ def main(args: RLArgs) -> dict:
                     f"{summary['avg_all_rewards']:.3f}")
         distributed.barrier()
 
-    if args.eval_every and run.start_step == 0:
+    if args.eval_every and args.eval_before_train and run.start_step == 0:
         run_eval(0)
     bar = tqdm(range(run.start_step, args.n_steps), desc="rl", unit="step", initial=run.start_step,
                total=args.n_steps, disable=not run.main)

@@ -51,6 +51,13 @@ def test_periodic_evaluation_and_kl_reference(tiny_model_dir, tmp_path, parity):
     assert "kl" in metrics[1] and metrics[1]["kl"] >= 0
 
 
+def test_no_eval_before_train_skips_only_the_start_evaluation(tiny_model_dir, tmp_path, parity):
+    args = tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2, eval_every=1, eval_limit=2, eval_max_tokens=3,
+                     eval_before_train=False)
+    train_rl.main(args)
+    assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "eval_count" in m] == [1, 2]
+
+
 class Crash(Exception):
     pass
 
