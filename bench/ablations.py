@@ -1,16 +1,19 @@
 """The CS336 ablations on this CPU proxy: each RL variant at one fixed budget, several seeds, one table and
 one plot.
 
-    uv run python bench/ablations.py --quick          # 4 steps per run, about 1 hour on 2 cores
-    uv run python bench/ablations.py                  # 10 steps per run, about 4 hours
+    uv run python bench/ablations.py --quick          # 4 steps per run, 40 runs two at a time
+    uv run python bench/ablations.py                  # 10 steps per run
     uv run python bench/ablations.py --only grpo_clip,no_baseline --seeds 0
 
 Every run is `python -m alignment.train_rl` from checkpoints/math_sft on --dataset (default: the RL
 default task) with the defaults, changed only by its variant's flags; the answer rate on the task's test
-split (whose questions are left out of training) is greedy, measured before the first step and every few
-steps. A run that is already complete is not repeated, one that was interrupted
-continues with --resume, so an interrupted sweep resumes where it stopped. Writes
-<out>/ablations.md (final accuracy mean and range over seeds, seconds per step) and <out>/ablations.png.
+split (whose questions are left out of training) is greedy, measured every few steps. The start model's
+score is the same greedy evaluation for every run with the same prompt, so the first such run measures it
+and the others start with --no_eval_before_train and share it. `--jobs 2` (the default) runs two at a
+time with one thread each: the s/step column is then a loaded core's, comparable between rows only. A run
+that is already complete is not repeated, one that was interrupted continues with --resume, so an
+interrupted sweep resumes where it stopped. Writes <out>/ablations.md (final accuracy mean and range over
+seeds, seconds per step) and <out>/ablations.png.
 """
 
 import argparse
@@ -20,6 +23,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from alignment import models
@@ -59,7 +63,13 @@ BUDGETS = {  # (flags, description)
 }
 
 
-def run(name: str, flags: list[str], budget: list[str], seed: int, out: Path, dataset: str | None) -> Path:
+def prompt_of(flags: list[str]) -> str:
+    """What decides the start model's evaluation among the variants: the prompt (the rest is shared)."""
+    return flags[flags.index("--prompt") + 1] if "--prompt" in flags else "r1_zero"
+
+
+def run(name: str, flags: list[str], budget: list[str], seed: int, out: Path, dataset: str | None,
+        evaluate_start: bool = True, threads: int | None = None) -> Path:
     run_dir = out / f"{name}-seed{seed}"
     metrics = run_dir / "metrics.jsonl"
     n_steps = int(budget[budget.index("--n_steps") + 1])
@@ -70,7 +80,8 @@ def run(name: str, flags: list[str], budget: list[str], seed: int, out: Path, da
         return run_dir
     # the variant's flags come last, so they win over the budget's (the off-policy train batch)
     command = [sys.executable, "-m", "alignment.train_rl", *budget, *flags, "--seed", str(seed),
-               "--output_dir", str(run_dir), "--save_every", "1", *(["--dataset", dataset] if dataset else [])]
+               "--output_dir", str(run_dir), "--save_every", "1", *(["--dataset", dataset] if dataset else []),
+               *([] if evaluate_start else ["--no_eval_before_train"])]
     if (run_dir / "checkpoint" / "trainer_state.pt").exists():
         command += ["--resume", str(run_dir)]
         print(f"[ablations] {run_dir.name}: resuming", flush=True)
@@ -78,16 +89,24 @@ def run(name: str, flags: list[str], budget: list[str], seed: int, out: Path, da
         shutil.rmtree(run_dir, ignore_errors=True)
         print(f"[ablations] {run_dir.name}: {' '.join(command[3:])}", flush=True)
     with open(out / f"{run_dir.name}.log", "a") as log:
-        subprocess.run(command, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+        subprocess.run(command, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)  # the numbers are kept, the weights are not
     return run_dir
 
 
-def summarise(name: str, run_dirs: list[Path]) -> dict:
+def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [(r["step"], r["eval_avg_answer_rewards"]) for r in records if "eval_avg_answer_rewards" in r]
+
+
+def summarise(name: str, run_dirs: list[Path], start: float) -> dict:
+    """`start`: the start model's score, from whichever run with this variant's prompt measured it."""
     curves, seconds, rewards, tokens = [], [], [], []
     for run_dir in run_dirs:
         records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-        curves.append([(r["step"], r["eval_avg_answer_rewards"]) for r in records if "eval_avg_answer_rewards" in r])
+        curve = eval_curve(run_dir)
+        curves.append(curve if curve[0][0] == 0 else [(0, start), *curve])
         steps = [r for r in records if "seconds_sample" in r]
         seconds.append(statistics.mean(r["seconds_step"] for r in steps))
         rewards.append(steps[-1]["reward"])
@@ -133,6 +152,8 @@ def main():
     parser.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
     parser.add_argument("--dataset", default=None, help="training task, as train_rl --dataset takes (default: its default)")
     parser.add_argument("--out", default=None, help="folder (default outputs/ablations[-quick])")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, each with cores/jobs threads (1: one "
+                        "at a time with every core, for s/step on an idle machine)")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
@@ -144,7 +165,19 @@ def main():
     out = Path(args.out or ROOT / "outputs" / ("ablations-quick" if args.quick else "ablations"))
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
-    rows = [summarise(name, [run(name, VARIANTS[name], budget, seed, out, args.dataset) for seed in args.seeds]) for name in names]
+    if args.jobs < 1:
+        parser.error("--jobs must be 1 or more")
+    threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
+    # one run per prompt measures the start model (its first seed); every other run shares that score
+    measures = {prompt_of(VARIANTS[name]): (name, args.seeds[0]) for name in reversed(names)}
+    jobs = [(name, seed) for name in names for seed in args.seeds]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        dirs = dict(zip(jobs, pool.map(lambda job: run(
+            job[0], VARIANTS[job[0]], budget, job[1], out, args.dataset,
+            evaluate_start=job in measures.values(), threads=threads), jobs)))
+    starts = {prompt: eval_curve(dirs[job])[0][1] for prompt, job in measures.items()}
+    rows = [summarise(name, [dirs[name, seed] for seed in args.seeds], starts[prompt_of(VARIANTS[name])])
+            for name in names]
     write_outputs(rows, out, budget_text, args.seeds, args.dataset or DEFAULT_RL_TASK)
 
 
