@@ -18,6 +18,7 @@ training loops read the same in one process and under torchrun.
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import pickle
@@ -149,7 +150,8 @@ class Run:
             raise MissingFileError(f"{self.checkpoint} has no {STATE_FILE}; --resume takes a run folder that saved at "
                                    f"least one checkpoint (see --save_every).")
         saved = json.loads((self.checkpoint / "run_config.json").read_text())
-        changed = sorted(k for k, v in to_dict(self.args).items() if k not in resumable and saved.get(k) != v)
+        defaults = {f.name: f.default for f in dataclasses.fields(self.args)}  # a flag added since the run was saved
+        changed = sorted(k for k, v in to_dict(self.args).items() if k not in resumable and saved.get(k, defaults[k]) != v)
         if changed:
             raise UserError(f"resume with the flags of the original run; these differ: {', '.join(changed)} "
                             f"(see {self.checkpoint / 'run_config.json'}).")

@@ -70,6 +70,10 @@ def test_resume_restores_state_and_refuses_changed_flags(tmp_path, tiny_model, t
         Run(Flags(resume=str(tmp_path / "empty")), "unused", None)
     with pytest.raises(UserError, match="these differ: lr"):
         Run(Flags(resume=str(tmp_path / "run"), lr=0.2), "unused", None, resumable={"n_steps"})
+    config = tmp_path / "run" / "checkpoint" / "run_config.json"  # saved before `lr` existed: its default holds
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "lr"}))
+    with pytest.raises(UserError, match="these differ: lr"):
+        Run(Flags(resume=str(tmp_path / "run"), lr=0.2), "unused", None, resumable={"n_steps"})
     resumed = Run(Flags(resume=str(tmp_path / "run"), n_steps=5), "unused", None, resumable={"n_steps"})
     assert resumed.dir == tmp_path / "run" and resumed.start_step == 2 and resumed.start_model == "start-model"
     assert [m["step"] for m in resumed.metrics()] == [1, 2]  # step 3 is trained again
