@@ -188,6 +188,7 @@ class RunArgs:
     resume: str | None = arg(None, "run folder to continue from its last checkpoint, with the flags it was started with")
     overwrite: bool = arg(False, "delete what --output_dir holds and start over (without it a used run folder is refused)")
     logger: str = arg("none", "extra metrics sink (metrics.jsonl is always written)", ("none", "tensorboard", "wandb"))
+    eval_before_train: bool = arg(True, "evaluate the start model before step 1 (--no_eval_before_train where another run from the same start model measured it: a sweep)")
 
     def check_run(self):
         if self.resume and self.overwrite:
@@ -347,7 +348,6 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
     max_grad_norm: float = arg(1.0, "gradient clipping norm")
     n_steps: int = arg(25, "RL steps (one rollout batch each); 25 fit ~30 min on 2 CPU cores")
     eval_every: int = arg(5, "evaluate every N steps (and before the first and after the last); 0: never")
-    eval_before_train: bool = arg(True, "evaluate the start model before step 1 (--no_eval_before_train where another run from the same start model measured it: a sweep)")
     eval_limit: int = arg(100, "questions in each periodic evaluation")
     eval_max_tokens: int = arg(128, "generated tokens per evaluation answer")
     save_every: int = arg(10, "checkpoint every N steps (and at the end)")

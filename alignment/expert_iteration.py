@@ -122,7 +122,7 @@ def main(args: EIArgs) -> dict:
                 f"{summary['avg_format_rewards']:.3f} | answer {summary['avg_answer_rewards']:.3f} | reward "
                 f"{summary['avg_all_rewards']:.3f}")
 
-    if args.eval_every and run.start_step == 0:
+    if args.eval_every and args.eval_before_train and run.start_step == 0:
         run_eval(0)
     bar = tqdm(range(run.start_step, args.n_ei_steps), desc="ei", unit="step", initial=run.start_step,
                total=args.n_ei_steps)

@@ -36,7 +36,8 @@ from alignment.args import to_dict
 from alignment.errors import MissingFileError, UserError
 
 STATE_FILE = "trainer_state.pt"
-ALWAYS_RESUMABLE = {"resume", "overwrite", "output_dir", "eval_every", "save_every", "log_rollouts", "logger"}
+ALWAYS_RESUMABLE = {"resume", "overwrite", "output_dir", "eval_every", "eval_before_train", "save_every", "log_rollouts",
+                    "logger"}
 
 
 class Run:

@@ -173,7 +173,7 @@ def main(args: SFTArgs) -> dict:
         distributed.barrier()
         return summary
 
-    first_eval = evaluate_and_log(0) if run.start_step == 0 else None
+    first_eval = evaluate_and_log(0) if run.start_step == 0 and args.eval_before_train else None
     last_eval, record = first_eval, None
     once = {"trainable_params": sum(p.numel() for p in lora.trainable_parameters(model))}  # in the first record
     start_time = time.perf_counter()

@@ -42,7 +42,7 @@ from alignment.run import Run
 from alignment.sampling import HFSampler, SamplingParams, WeightPush, derive_seed, make_sampler, pick_backend
 from alignment.tokens import rollout_log_probs, rollout_values
 
-RESUMABLE_CHANGES = {"n_steps", "eval_before_train"}  # flags a resumed run may change, besides the run folder's own (run.py)
+RESUMABLE_CHANGES = {"n_steps"}  # flags a resumed run may change, besides the run folder's own (run.py)
 MAX_BAD_STEPS = 3  # consecutive non-finite losses or gradients before the run aborts
 
 

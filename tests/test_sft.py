@@ -97,6 +97,12 @@ def test_two_step_run_trains_saves_and_reloads(tiny_model_dir, tokenizer, data_d
     assert not (tmp_path / "sft" / "checkpoint.tmp").exists()
 
 
+def test_no_eval_before_train_evaluates_only_at_the_end(tiny_model_dir, data_dir, tmp_path):
+    result = sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", eval_before_train=False))
+    lines = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "eval" in r] == [2] and result["first_eval"] is None
+
+
 class Interrupted(Exception):
     pass
 
