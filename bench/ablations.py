@@ -1,7 +1,7 @@
 """The CS336 ablations on this CPU proxy: each RL variant at one fixed budget, several seeds, one table and
 one plot.
 
-    uv run python bench/ablations.py --quick          # 4 steps per run, 40 runs two at a time
+    uv run python bench/ablations.py --quick          # 4 steps per run, 40 runs two at a time: ~70-90 min (estimated)
     uv run python bench/ablations.py                  # 10 steps per run
     uv run python bench/ablations.py --only grpo_clip,no_baseline --seeds 0
 
@@ -58,8 +58,8 @@ VARIANTS = {  # CS336 assignment 5's GRPO experiments, then the estimators, then
 }
 BUDGETS = {  # (flags, description)
     "full": (["--n_steps", "10", "--eval_every", "5", "--eval_limit", "50"], "10 steps, eval on 50 every 5"),
-    "quick": (["--n_steps", "4", "--eval_every", "2", "--eval_limit", "30", "--rollout_batch_size", "16",
-               "--train_batch_size", "16"], "4 steps of 16 responses, eval on 30 every 2"),
+    "quick": (["--n_steps", "4", "--eval_every", "4", "--eval_limit", "30", "--rollout_batch_size", "16",
+               "--train_batch_size", "16"], "4 steps of 16 responses, eval on 30 at the start (shared) and end"),
 }
 
 
