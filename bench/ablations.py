@@ -131,15 +131,24 @@ def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    for index, r in enumerate(rows):
-        steps = [s for s, _ in r["curves"][0]]
-        mean = [statistics.mean(c[i][1] for c in r["curves"]) for i in range(len(steps))]
-        ax.plot(steps, mean, marker="o", markersize=3, label=r["name"], linewidth=2.5 if r is rows[0] else 1.2,
-                linestyle="-" if index < 10 else "--")  # ten colours, then they repeat dashed
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("test-split answer rate (greedy, mean over seeds)")
+    if all(len(c) <= 2 for r in rows for c in r["curves"]):  # start and end only: bars, not a fan of lines
+        y = range(len(rows))[::-1]  # the reference on top
+        ax.barh(y, [r["final"] for r in rows], color=["tab:blue"] + ["tab:gray"] * (len(rows) - 1),
+                xerr=[[r["final"] - r["low"] for r in rows], [r["high"] - r["final"] for r in rows]], capsize=3)
+        ax.scatter([r["first"] for r in rows], y, marker="|", s=200, color="black", zorder=3, label="start")
+        ax.set_yticks(list(y), [r["name"] for r in rows], fontsize=8)
+        ax.set_xlabel("test-split answer rate at the end (greedy; bar: mean over seeds, whiskers: range)")
+        ax.legend(fontsize=8)
+    else:
+        for index, r in enumerate(rows):
+            steps = [s for s, _ in r["curves"][0]]
+            mean = [statistics.mean(c[i][1] for c in r["curves"]) for i in range(len(steps))]
+            ax.plot(steps, mean, marker="o", markersize=3, label=r["name"], linestyle="-" if index < 10 else "--",
+                    linewidth=2.5 if r is rows[0] else 1.2)  # ten colours, then they repeat dashed
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("test-split answer rate (greedy, mean over seeds)")
+        ax.legend(fontsize=7, ncol=2)
     ax.set_title(f"ablations: {budget_text}")
-    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out / "ablations.png", dpi=110)
     print(f"[ablations] wrote {out / 'ablations.md'} and {out / 'ablations.png'}")
