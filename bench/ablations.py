@@ -4,6 +4,7 @@ one plot.
     uv run python bench/ablations.py --quick          # 4 steps per run, 40 runs two at a time: ~70-90 min (estimated)
     uv run python bench/ablations.py                  # 10 steps per run
     uv run python bench/ablations.py --only grpo_clip,no_baseline --seeds 0
+    uv run python bench/ablations.py --only grpo_clip,dynamic_sampling,adaptive_groups_16 --seeds 0 1 2 --x generated_tokens
 
 Every run is `python -m alignment.train_rl` from checkpoints/math_sft on --dataset (default: the RL
 default task) with the defaults, changed only by its variant's flags; the answer rate on the task's test
@@ -95,9 +96,11 @@ def run(name: str, flags: list[str], budget: list[str], seed: int, out: Path, da
     return run_dir
 
 
-def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
+def eval_curve(run_dir: Path) -> list[tuple[int, float, int]]:
+    """(step, held-out answer rate, tokens sampled so far) at each evaluation."""
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    return [(r["step"], r["eval_avg_answer_rewards"]) for r in records if "eval_avg_answer_rewards" in r]
+    return [(r["step"], r["eval_avg_answer_rewards"], r.get("generated_tokens", 0))
+            for r in records if "eval_avg_answer_rewards" in r]
 
 
 def summarise(name: str, run_dirs: list[Path], start: float) -> dict:
@@ -106,7 +109,7 @@ def summarise(name: str, run_dirs: list[Path], start: float) -> dict:
     for run_dir in run_dirs:
         records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
         curve = eval_curve(run_dir)
-        curves.append(curve if curve[0][0] == 0 else [(0, start), *curve])
+        curves.append(curve if curve[0][0] == 0 else [(0, start, 0), *curve])
         steps = [r for r in records if "seconds_sample" in r]
         seconds.append(statistics.mean(r["seconds_step"] for r in steps))
         rewards.append(steps[-1]["reward"])
@@ -117,7 +120,7 @@ def summarise(name: str, run_dirs: list[Path], start: float) -> dict:
             "reward": statistics.mean(rewards), "tokens": statistics.mean(tokens), "curves": curves}
 
 
-def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int], dataset: str):
+def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int], dataset: str, x: str = "step"):
     lines = [f"Budget: {budget_text}; seeds {', '.join(map(str, seeds))}; task {dataset}; greedy answer rate on "
              f"the task's test split (its questions are left out of training).", "",
              "| variant | start | final (mean) | final (range) | final train reward | sampled tokens | s/step |",
@@ -141,11 +144,12 @@ def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int
         ax.legend(fontsize=8)
     else:
         for index, r in enumerate(rows):
-            steps = [s for s, _ in r["curves"][0]]
-            mean = [statistics.mean(c[i][1] for c in r["curves"]) for i in range(len(steps))]
-            ax.plot(steps, mean, marker="o", markersize=3, label=r["name"], linestyle="-" if index < 10 else "--",
+            points = range(len(r["curves"][0]))  # every seed evaluates at the same steps
+            where = [statistics.mean(c[i][0 if x == "step" else 2] for c in r["curves"]) for i in points]
+            mean = [statistics.mean(c[i][1] for c in r["curves"]) for i in points]
+            ax.plot(where, mean, marker="o", markersize=3, label=r["name"], linestyle="-" if index < 10 else "--",
                     linewidth=2.5 if r is rows[0] else 1.2)  # ten colours, then they repeat dashed
-        ax.set_xlabel("RL step")
+        ax.set_xlabel("RL step" if x == "step" else "tokens sampled so far (mean over seeds)")
         ax.set_ylabel("test-split answer rate (greedy, mean over seeds)")
         ax.legend(fontsize=7, ncol=2)
     ax.set_title(f"ablations: {budget_text}")
@@ -161,6 +165,8 @@ def main():
     parser.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
     parser.add_argument("--dataset", default=None, help="training task, as train_rl --dataset takes (default: its default)")
     parser.add_argument("--out", default=None, help="folder (default outputs/ablations[-quick])")
+    parser.add_argument("--x", choices=["step", "generated_tokens"], default="step",
+                        help="the plot's horizontal axis: RL step, or tokens sampled (sample efficiency)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, each with cores/jobs threads (1: one "
                         "at a time with every core, for s/step on an idle machine)")
     args = parser.parse_args()
@@ -187,7 +193,7 @@ def main():
     starts = {prompt: eval_curve(dirs[job])[0][1] for prompt, job in measures.items()}
     rows = [summarise(name, [dirs[name, seed] for seed in args.seeds], starts[prompt_of(VARIANTS[name])])
             for name in names]
-    write_outputs(rows, out, budget_text, args.seeds, args.dataset or DEFAULT_RL_TASK)
+    write_outputs(rows, out, budget_text, args.seeds, args.dataset or DEFAULT_RL_TASK, args.x)
 
 
 if __name__ == "__main__":
