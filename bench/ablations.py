@@ -4,7 +4,7 @@ one plot.
     uv run python bench/ablations.py --quick          # 4 steps per run, 40 runs two at a time: ~70-90 min (estimated)
     uv run python bench/ablations.py                  # 10 steps per run
     uv run python bench/ablations.py --only grpo_clip,no_baseline --seeds 0
-    uv run python bench/ablations.py --only grpo_clip,dynamic_sampling,adaptive_groups_16 --seeds 0 1 2 --x generated_tokens
+    uv run python bench/ablations.py --only grpo_clip,adaptive_groups_16 --x generated_tokens   # against tokens sampled
 
 Every run is `python -m alignment.train_rl` from checkpoints/math_sft on --dataset (default: the RL
 default task) with the defaults, changed only by its variant's flags; the answer rate on the task's test
