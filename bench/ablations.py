@@ -1,7 +1,7 @@
 """The CS336 ablations on this CPU proxy: each RL variant at one fixed budget, several seeds, one table and
 one plot.
 
-    uv run python bench/ablations.py --quick          # 4 steps per run, 40 runs two at a time: ~70-90 min (estimated)
+    uv run python bench/ablations.py --quick          # 4 steps per run, 40 runs two at a time: 64 min on 2 cores
     uv run python bench/ablations.py                  # 10 steps per run
     uv run python bench/ablations.py --only grpo_clip,no_baseline --seeds 0
     uv run python bench/ablations.py --only grpo_clip,adaptive_groups_16 --x generated_tokens   # against tokens sampled
