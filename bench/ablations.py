@@ -9,8 +9,9 @@ one plot.
 Every run is `python -m alignment.train_rl` from checkpoints/math_sft on --dataset (default: the RL
 default task) with the defaults, changed only by its variant's flags; the answer rate on the task's test
 split (whose questions are left out of training) is greedy, measured every few steps. The start model's
-score is the same greedy evaluation for every run with the same prompt, so the first such run measures it
-and the others start with --no_eval_before_train and share it. `--jobs 2` (the default) runs two at a
+score is the same greedy evaluation for every run with the same prompt and seed (a reasoning-gym task's
+test split is generated from --seed), so the first such run measures it and the others start with
+--no_eval_before_train and share it. `--jobs 2` (the default) runs two at a
 time with one thread each: the s/step column is then a loaded core's, comparable between rows only. A run
 that is already complete is not repeated, one that was interrupted continues with --resume, so an
 interrupted sweep resumes where it stopped. Writes <out>/ablations.md (final accuracy mean and range over
@@ -103,10 +104,11 @@ def eval_curve(run_dir: Path) -> list[tuple[int, float, int]]:
             for r in records if "eval_avg_answer_rewards" in r]
 
 
-def summarise(name: str, run_dirs: list[Path], start: float) -> dict:
-    """`start`: the start model's score, from whichever run with this variant's prompt measured it."""
+def summarise(name: str, run_dirs: list[Path], starts: list[float]) -> dict:
+    """`starts`: the start model's score for each run's seed, from whichever run with this variant's prompt
+    and that seed measured it."""
     curves, seconds, rewards, tokens = [], [], [], []
-    for run_dir in run_dirs:
+    for run_dir, start in zip(run_dirs, starts, strict=True):
         records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
         curve = eval_curve(run_dir)
         curves.append(curve if curve[0][0] == 0 else [(0, start, 0), *curve])
@@ -123,7 +125,7 @@ def summarise(name: str, run_dirs: list[Path], start: float) -> dict:
 def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int], dataset: str, x: str = "step"):
     lines = [f"Budget: {budget_text}; seeds {', '.join(map(str, seeds))}; task {dataset}; greedy answer rate on "
              f"the task's test split (its questions are left out of training).", "",
-             "| variant | start | final (mean) | final (range) | final train reward | sampled tokens | s/step |",
+             "| variant | start (mean) | final (mean) | final (range) | final train reward | sampled tokens | s/step |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['first']:.3f} | {r['final']:.3f} | {r['low']:.2f}-{r['high']:.2f} | "
@@ -183,16 +185,22 @@ def main():
     if args.jobs < 1:
         parser.error("--jobs must be 1 or more")
     threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
-    # one run per prompt measures the start model (its first seed); every other run shares that score
-    measures = {prompt_of(VARIANTS[name]): (name, args.seeds[0]) for name in reversed(names)}
+    # one run per prompt and seed measures the start model (each seed has its own test split); the others share it
+    measures = {(prompt_of(VARIANTS[name]), seed): (name, seed) for name in reversed(names) for seed in args.seeds}
     jobs = [(name, seed) for name in names for seed in args.seeds]
     with ThreadPoolExecutor(args.jobs) as pool:
         dirs = dict(zip(jobs, pool.map(lambda job: run(
             job[0], VARIANTS[job[0]], budget, job[1], out, args.dataset,
             evaluate_start=job in measures.values(), threads=threads), jobs)))
-    starts = {prompt: eval_curve(dirs[job])[0][1] for prompt, job in measures.items()}
-    rows = [summarise(name, [dirs[name, seed] for seed in args.seeds], starts[prompt_of(VARIANTS[name])])
-            for name in names]
+    starts = {}
+    for key, job in measures.items():
+        step, score, _ = eval_curve(dirs[job])[0]
+        if step != 0:
+            sys.exit(f"[ablations] {dirs[job]} has no evaluation of the start model (a run kept from before starts "
+                     f"were measured per seed): delete that folder and run again")
+        starts[key] = score
+    rows = [summarise(name, [dirs[name, seed] for seed in args.seeds],
+                      [starts[prompt_of(VARIANTS[name]), seed] for seed in args.seeds]) for name in names]
     write_outputs(rows, out, budget_text, args.seeds, args.dataset or DEFAULT_RL_TASK, args.x)
 
 
