@@ -24,7 +24,7 @@ PANELS = [
 
 def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
     """Draw one run (a folder or a list of one) or several on the same axes (e.g. seeds of one recipe):
-    with several, each series is labelled with its run's folder name and the PNG goes to `out`
+    with several, each series is labelled with its run's name (`run_labels`) and the PNG goes to `out`
     (default: curves.png in the first run's parent folder). `x` is the horizontal axis: the step, or
     generated_tokens (the tokens sampled so far) to compare runs at equal sampling work (EI against RL)."""
     import matplotlib
@@ -33,12 +33,12 @@ def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
 
     run_dirs = [Path(run_dirs)] if isinstance(run_dirs, (str, Path)) else [Path(r) for r in run_dirs]
     runs = []
-    for run_dir in run_dirs:
+    for run_dir, name in zip(run_dirs, run_labels(run_dirs)):
         path = run_dir / "metrics.jsonl"
         if not path.exists():
             raise MissingFileError(f"{path} does not exist; pass a run folder written by alignment.train_rl, "
                                    f"alignment.expert_iteration or alignment.sft.")
-        runs.append((run_dir.name, read_jsonl(path)))
+        runs.append((name, read_jsonl(path)))
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
     for ax, (title, series) in zip(axes, PANELS):
         for run_index, (name, records) in enumerate(runs):
@@ -59,6 +59,15 @@ def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def run_labels(run_dirs: list[Path]) -> list[str]:
+    """Each run's name in the legend: its folder's name, with the parent's in front when two folders share a
+    name (checkpoints/ei/seed0 against checkpoints/rl/seed0 -> ei/seed0, rl/seed0)."""
+    names = [run_dir.name for run_dir in run_dirs]
+    if len(set(names)) == len(names):
+        return names
+    return [f"{run_dir.resolve().parent.name}/{run_dir.name}" for run_dir in run_dirs]
 
 
 def _style(key: str, n_runs: int) -> str:
