@@ -26,8 +26,9 @@ from alignment.errors import UserError
 
 
 def launched() -> bool:
-    """True in a process started by torchrun (or any launcher that sets WORLD_SIZE > 1)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """True in a process started by torchrun, with one process too (its elastic agent sets TORCHELASTIC_RUN_ID),
+    or by any launcher that sets WORLD_SIZE > 1: such a process shards its policy with FSDP2."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def setup() -> str:

