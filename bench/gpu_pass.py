@@ -97,7 +97,8 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
     if args.tiny:  # the dry run: the same stages at a size the CPU does in seconds
         small += ["--rollout_batch_size", "8", "--train_batch_size", "8", "--train_mini_batch_size", "4",
                   "--sampling_max_tokens", "16", "--eval_max_tokens", "8"]
-    rl = ["-m", "alignment.train_rl", *small, "--rg_size", "200", "--backend", "hf", "--precision", "auto"]
+    rl = [*small, "--rg_size", "200", "--backend", "hf", "--precision", "auto"]
+    in_process = [*python, __file__, "stage", "--work", str(work), "--name"]  # train_rl.main, then its peak memory
     qwen = ["--model", str(work / "qwen"), "--group_size", "8", "--rollout_batch_size", "64", "--train_batch_size", "64",
             "--train_mini_batch_size", "16", "--sample_batch_size", "64", "--sampling_max_tokens", "256",
             "--sampling_min_tokens", "256", "--log_rollouts", "64", "--n_steps", "3"]
@@ -106,13 +107,13 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
                 "8", "--train_mini_batch_size", "4", "--sampling_max_tokens", "16", "--sampling_min_tokens", "16",
                 "--log_rollouts", "8", "--n_steps", "3"]
     torchrun = [*python, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29517"]
-    fsdp = [*rl, "--n_steps", "2", "--eval_every", "0", "--save_every", "1", "--output_dir", str(work / "fsdp")]
+    fsdp = ["-m", "alignment.train_rl", *rl, "--n_steps", "2", "--eval_every", "0", "--save_every", "1", "--output_dir", str(work / "fsdp")]
     sft_small = ["--eval_limit", "4", "--eval_max_tokens", "8"] if args.tiny else ["--eval_limit", "16", "--eval_max_tokens", "64"]
     return [
         ("pytest", [*python, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-rfEs", "-p", "no:cacheprovider"], 180),
-        ("rl", [*python, *rl, "--n_steps", "5", "--eval_every", "5", "--eval_limit", "4" if args.tiny else "16",
-                "--output_dir", str(work / "rl")], 180),
-        ("qwen_shape", [*python, __file__, "stage", "--work", str(work), "--", *qwen, "--rg_size", "200",
+        ("rl", [*in_process, "rl", "--", *rl, "--n_steps", "5", "--eval_every", "5", "--eval_limit",
+                "4" if args.tiny else "16", "--log_rollouts", "32", "--output_dir", str(work / "rl")], 180),
+        ("qwen_shape", [*in_process, "qwen_shape", "--", *qwen, "--rg_size", "200",
                         "--backend", "hf", "--precision", "auto", "--eval_every", "0", "--save_every", "1000",
                         "--output_dir", str(work / "qwen_run")], 300),
         ("fsdp", [*torchrun, *fsdp], 150),
@@ -301,7 +302,7 @@ def check_rl(work, output, env):
     assert dtypes in ({"F32"}, {"float32"}, {"torch.float32"}), f"master weights saved as {dtypes}, not fp32"
     evals = [m for m in _metrics(work / "rl") if "eval_count" in m]
     return {"precision": precision, "master_weights": "fp32", "eval_steps": [m["step"] for m in evals],
-            **_timings(steps[1:])}
+            **_speed(work, "rl", "smollm2", steps[1:], env)}
 
 
 def _timings(steps: list[dict]) -> dict:
@@ -314,12 +315,16 @@ def _timings(steps: list[dict]) -> dict:
 def check_qwen(work, output, env):
     steps = _steps(work / "qwen_run")
     assert len(steps) == 3, f"{len(steps)} steps logged"
-    measured = {**json.loads((work / "qwen_stage.json").read_text()),
-                "parameters": json.loads((work / "parameters.json").read_text())["qwen"]}
-    timed = steps[1:]  # step 1 warms up the kernels and the allocator
+    return _speed(work, "qwen_run", "qwen", steps[1:], env)  # step 1 warms up the kernels and the allocator
+
+
+def _speed(work: Path, run: str, model: str, timed: list[dict], env: dict) -> dict:
+    """Seconds, tokens/s, peak memory (from the stage worker) and the train phase's MFU of the timed steps."""
+    measured = {**json.loads((work / f"{run}_stage.json").read_text()),
+                "parameters": json.loads((work / "parameters.json").read_text())[model]}
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(work / "qwen")
-    rollouts = [json.loads(line) for line in open(work / "qwen_run" / "rollouts.jsonl")]
+    tokenizer = AutoTokenizer.from_pretrained(work / model)
+    rollouts = [json.loads(line) for line in open(work / run / "rollouts.jsonl")]
     flops = []
     for m in timed:
         prompts = {r["prompt"] for r in rollouts if r["step"] == m["step"]}
@@ -328,7 +333,7 @@ def check_qwen(work, output, env):
     rate = env["bf16_tflops" if env.get("bf16", env.get("cpu_fast_bf16")) else "fp32_tflops"] * 1e12
     mfu = statistics.median(f / (m["seconds_train"] * rate) for f, m in zip(flops, timed))
     return {**measured, **_timings(timed), "train_mfu": round(mfu, 4), "train_floor_s": round(statistics.median(flops) / rate, 3),
-            "sampled_tokens_per_step": timed[0]["sampled_tokens"]}
+            "s_train_each": [round(m["seconds_train"], 2) for m in timed], "sampled_tokens_per_step": timed[0]["sampled_tokens"]}
 
 
 def check_fsdp(work, output, env):
@@ -360,7 +365,7 @@ CHECKS = {"pytest": check_pytest, "rl": check_rl, "qwen_shape": check_qwen, "fsd
 
 
 def stage(args, flags: list[str]):
-    """One train_rl run in this process, then its peak GPU memory (the qwen_shape stage)."""
+    """One train_rl run in this process, then its peak GPU memory (the rl and qwen_shape stages)."""
     import torch
     from alignment import train_rl
     from alignment.args import RLArgs, parse
@@ -369,7 +374,8 @@ def stage(args, flags: list[str]):
     if torch.cuda.is_available():
         measured.update(peak_gpu_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                         peak_gpu_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
-    (Path(args.work) / "qwen_stage.json").write_text(json.dumps(measured))
+    run_dir = Path(flags[flags.index("--output_dir") + 1])
+    (Path(args.work) / f"{run_dir.name}_stage.json").write_text(json.dumps(measured))
 
 
 def main():
@@ -388,6 +394,7 @@ def main():
     p.add_argument("--only", default=None, help="comma-separated stages to run (default: all)")
     p = sub.add_parser("stage", help=argparse.SUPPRESS)
     p.add_argument("--work", required=True)
+    p.add_argument("--name", required=True)
     args, rest = parser.parse_known_args()
     if args.command == "prepare":
         prepare(args)
