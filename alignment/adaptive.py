@@ -3,12 +3,16 @@
 A fixed group whose rewards are all equal (every answer right, or every answer wrong) has advantage 0 on
 every trace: its samples cost compute and teach nothing. DAPO drops such groups and samples new questions
 (`--filter_low/--filter_high`); Reinforce-Ada (Xiong et al. 2025, arXiv 2510.04996) instead keeps sampling
-the same question, in rounds, until its pool holds rewards that differ (with 0/1 rewards: a right and a
-wrong answer) or has M samples. We follow its balanced variant:
-- every question starts with `--group_size` (n) samples; a question without spread gets n more (fewer in
-  the last round, so the pool never exceeds M), until it has spread or M samples;
-- the group it trains on keeps the fixed size n, chosen from the pool with both sides present: up to n/2
-  from the samples above the pool's mean reward, the rest from those at or below it, in sampling order;
+the same question, in rounds, until its pool holds enough right and wrong answers, or has M samples. We
+follow its balanced variant, as the authors' code does it (RLHFlow/Reinforce-Ada-Tinker,
+`rl/adaptive_sampling.py`: `_should_finish_prompt` and `_downsample_prompt_cache` with strategy "balanced"):
+- every question starts with `--group_size` (n) samples; a question whose pool holds fewer than n//2 right
+  answers (answer reward 1) or fewer than n - n//2 wrong ones gets n more (fewer in the last round, so the
+  pool never exceeds M), until it holds both or has M samples. Samples of a round that arrive after its
+  pool became balanced are not added to it (the authors' loop stops reading them); their tokens still
+  count as sampled;
+- the group it trains on keeps the fixed size n: n//2 right and n - n//2 wrong when the pool has them,
+  else as many right ones as the wrong ones leave room for (the authors' fallback), in sampling order;
 - its advantages take their baseline from the whole pool (`estimators.pool_statistics`), the "global
   statistics" of the paper: the pool's mean (and std) for grpo, the mean of the other pool members for
   rloo, the pool's mean for reinforce_pp_baseline.
@@ -27,17 +31,18 @@ from alignment.sampling import derive_seed
 
 def grow_groups(args, step: int, sampling_round: int, generate, prompt_ids, params, first_traces, first_scores,
                 score) -> tuple[list, list, list[torch.Tensor], dict]:
-    """Grow every group of `first_traces` (consecutive groups of n, scored `first_scores`) without reward
-    spread, as the module docstring says. `generate(prompt_ids, params)` runs the rollout mode; `score(trace,
+    """Grow every group of `first_traces` (consecutive groups of n, scored `first_scores`) that is not
+    balanced, as the module docstring says. `generate(prompt_ids, params)` runs the rollout mode; `score(trace,
     group)` scores a trace of that group. Returns the n traces per group to train on (in group order), their
-    scores, each group's pool of rewards, and the step's numbers: samples per question (mean, max), the share
-    of questions whose pool has spread, and the sampled tokens of the growth rounds."""
+    scores, each group's pool of scores (the reward dicts, in sampling order), and the step's numbers:
+    samples per question (mean, max), the shares of questions whose pool has reward spread and whose pool
+    is balanced, and the sampled tokens of the growth rounds."""
     n, cap = args.group_size, args.group_size_max
     pools = [list(zip(first_traces[g * n:(g + 1) * n], first_scores[g * n:(g + 1) * n]))
              for g in range(len(first_traces) // n)]
     extra_tokens, growth = 0, 0
     while True:
-        active = [g for g, pool in enumerate(pools) if not _has_spread(pool) and len(pool) < cap]
+        active = [g for g, pool in enumerate(pools) if not _is_balanced(pool, n) and len(pool) < cap]
         if not active:
             break
         growth += 1
@@ -49,25 +54,36 @@ def grow_groups(args, step: int, sampling_round: int, generate, prompt_ids, para
             for row in trace:  # the question's index in the step, and a trace id of its own
                 row.group_id, row.trace_id = group, (len(first_traces) + group * cap + len(pools[group]))
             extra_tokens += sum(sum(row.loss_mask) for row in trace)
-            pools[group].append((trace, score(trace, group)))
+            if not _is_balanced(pools[group], n):  # once balanced, the rest of the round is not read
+                pools[group].append((trace, score(trace, group)))
     chosen = [_balanced(pool, n) for pool in pools]
     sizes = torch.tensor([len(pool) for pool in pools], dtype=torch.float32)
     metrics = {"samples_per_question": sizes.mean().item(), "samples_per_question_max": sizes.max().item(),
                "spread_fraction": sum(_has_spread(pool) for pool in pools) / len(pools),
+               "balanced_fraction": sum(_is_balanced(pool, n) for pool in pools) / len(pools),
                "growth_rounds": growth, "growth_tokens": extra_tokens}
     return ([trace for group in chosen for trace, _ in group], [s for group in chosen for _, s in group],
-            [torch.tensor([s["reward"] for _, s in pool], dtype=torch.float32) for pool in pools], metrics)
+            [[s for _, s in pool] for pool in pools], metrics)
 
 
 def _has_spread(pool) -> bool:
     return len({s["reward"] for _, s in pool}) > 1
 
 
+def _right(score: dict) -> bool:
+    return float(score["answer_reward"]) > 0.5
+
+
+def _is_balanced(pool, n: int) -> bool:
+    """The authors' stop rule: at least n//2 right answers and n - n//2 wrong ones."""
+    right = sum(_right(s) for _, s in pool)
+    return right >= n // 2 and len(pool) - right >= n - n // 2
+
+
 def _balanced(pool, n: int) -> list:
-    """n members of `pool` with both sides of its mean reward present when the pool has them: up to n // 2
-    above the mean (more when too few are at or below it), the rest at or below; in sampling order."""
-    mean = sum(s["reward"] for _, s in pool) / len(pool)
-    high = [i for i, (_, s) in enumerate(pool) if s["reward"] > mean]
-    low = [i for i, (_, s) in enumerate(pool) if s["reward"] <= mean]
-    take_high = min(len(high), max(n // 2, n - len(low)))
-    return [pool[i] for i in sorted(high[:take_high] + low[:n - take_high])]
+    """n members of `pool`: n//2 right and n - n//2 wrong when it has them; else as many right ones as the
+    wrong ones leave room for (the authors' fallback); each side in sampling order."""
+    right = [i for i, (_, s) in enumerate(pool) if _right(s)]
+    wrong = [i for i, (_, s) in enumerate(pool) if not _right(s)]
+    take_right = min(len(right), max(n // 2, n - len(wrong)))
+    return [pool[i] for i in sorted(right[:take_right] + wrong[:n - take_right])]

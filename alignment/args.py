@@ -155,7 +155,7 @@ def check_values(args):
     and finite; None means unset."""
     for f in fields(args):
         value, choices = getattr(args, f.name), f.metadata.get("choices")
-        if choices and value not in choices:
+        if choices and value is not None and value not in choices:
             raise ValueError(f"--{f.name} {value!r} is not one of {', '.join(map(str, choices))}.")
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
@@ -325,8 +325,8 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
     entropy_coef: float = arg(0.0, "entropy bonus: subtract this times the token entropy from the loss")
     rollout_is: str = arg("truncate", "rollout correction: weigh each token's policy-gradient term by old-policy / sampler probability, from the sampler's own log-probs: truncate (TIS: min(ratio, C), the Delethink recipe), mask (MIS: 0 outside [1/C, C]) or none. The default changes nothing where sampler and learner agree (ratio 1 +- 1e-5 in fp32 here) and bounds the correction where they do not (bf16, another kernel)",
                          ("truncate", "mask", "none"))
-    rollout_is_level: str = arg("token", "rollout correction per token or per sequence (the ratio of the whole row)",
-                               ("token", "sequence"))
+    rollout_is_level: str | None = arg(None, "rollout correction per token, per sequence (the product of its token ratios: the whole trace's, over a Delethink trace's chunks) or geometric (their geometric mean, length-normalised); default token, and geometric with gspo, which keeps one weight per sequence",
+                                      ("token", "sequence", "geometric"))
     rollout_is_threshold: float = arg(2.0, "rollout correction's C (> 1)")
     async_steps: int = arg(0, "0: sample each step's batch with the current weights, then train (synchronous); 1: sample step t+1's batch while step t trains, one policy version behind, corrected by --rollout_is (needs a sampler with its own weights: --backend vllm, or --sample_device on another device; see alignment/async_rollouts.py)", (0, 1))
     critic_model: str | None = arg(None, "gae: the critic's starting weights (default: the policy's starting model) and a zero value head")
@@ -380,6 +380,10 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
         if self.rollout_is != "none" and self.rollout_is_threshold <= 1:
             raise ValueError(f"--rollout_is_threshold {self.rollout_is_threshold} must be above 1 (a ratio of 1 means "
                              f"sampler and learner agree).")
+        if self.rollout_mode == "tir" and not self.mask_observations and self.rollout_is != "none":
+            raise ValueError("--no_mask_observations trains on tool output, which the sampler did not draw (it has no "
+                             f"log-prob of it), so --rollout_is {self.rollout_is} cannot weigh those tokens: add "
+                             "--rollout_is none.")
         if self.async_steps and self.rollout_is == "none":
             raise ValueError("--async_steps 1 trains on batches sampled one policy version behind, which needs rollout "
                              "correction against the sampler: use --rollout_is truncate or mask.")
@@ -394,6 +398,11 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
         if self.kl_in_reward and self.use_std_normalization:
             raise ValueError("--kl_in_reward with --use_std_normalization would divide tiny KL differences in "
                              "all-right or all-wrong groups by their tiny std; drop one of them.")
+        if self.loss_type == "gspo" and self.rollout_is_level == "token" and self.rollout_is != "none":
+            raise ValueError("gspo keeps one weight per sequence, and --rollout_is_level token would weigh its tokens "
+                             "apart: use --rollout_is_level geometric (gspo's default) or sequence.")
+        if self.rollout_is_level is None:  # implied: GSPO's ratio is a sequence's geometric mean, and so is its correction
+            self.rollout_is_level = "geometric" if self.loss_type == "gspo" else "token"
         if self.loss_type == "gspo" and self.loss_agg_mode != "seq-mean-token-mean":
             raise ValueError("gspo's token form equals the sequence objective only under a per-row mean: use "
                              "--loss_agg_mode seq-mean-token-mean.")

@@ -199,18 +199,23 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mas
 
 
 ROLLOUT_IS_MODES = ("none", "truncate", "mask")
-ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
 
 
 def compute_rollout_is_weights(old_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor,
-                               response_mask: torch.Tensor, mode: str, level: str,
-                               threshold: float) -> tuple[torch.Tensor, dict]:
+                               response_mask: torch.Tensor, mode: str, level: str, threshold: float,
+                               sequence_log_ratio: torch.Tensor | None = None,
+                               sequence_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Rollout correction: importance weights (B, T) of the learner's old policy against the behaviour
     policy, the sampler that actually drew the tokens (its own log-probs: another kernel, bf16, an older
     weight version). The policy-gradient loss of each token is multiplied by its weight.
 
-    ratio = exp(old - sampler) per token (`level` token), or exp of the masked sum of that difference over
-    the row, on each of its tokens (`level` sequence); computed in log space, so nothing overflows.
+    ratio = exp(old - sampler) per token (`level` token); or one ratio per sequence on each of its tokens:
+    exp of the masked sum of that difference (`level` sequence: the product of the token ratios), or of its
+    masked mean (`level` geometric: their geometric mean, length-normalised as GSPO's own ratio is, so a
+    long row is not cut more often for its length). A sequence is a row, or, with `sequence_log_ratio`
+    and `sequence_tokens` (B,), whatever those sums were taken over (a Delethink trace's rows: its chunks
+    share one ratio). Computed in log space, so nothing overflows.
     `mode` truncate: min(ratio, threshold) (truncated IS, "TIS"; the Delethink recipe uses 2); mask: 1 where
     1/threshold <= ratio <= threshold, else 0 ("MIS"); none: 1. Weights are detached, 0 where the mask is 0,
     and finite whatever a masked position holds (inf, NaN). Metrics over the response tokens:
@@ -223,8 +228,12 @@ def compute_rollout_is_weights(old_log_probs: torch.Tensor, sampler_log_probs: t
     mask = response_mask.bool()
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     log_ratio = torch.where(mask, old_log_probs.detach().float() - sampler_log_probs.float(), zero)  # (B, T)
-    if level == "sequence":
-        log_ratio = torch.where(mask, log_ratio.sum(-1, keepdim=True).expand_as(log_ratio), zero)
+    if level != "token":
+        total = log_ratio.sum(-1) if sequence_log_ratio is None else sequence_log_ratio.float()  # (B,)
+        if level == "geometric":
+            count = mask.sum(-1) if sequence_tokens is None else sequence_tokens
+            total = total / count.clamp(min=1)
+        log_ratio = torch.where(mask, total.unsqueeze(-1).expand_as(log_ratio), zero)
     limit = math.log(threshold) if mode != "none" else math.inf
     if mode == "truncate":
         weights, cut = torch.exp(log_ratio.clamp(max=limit)), log_ratio > limit

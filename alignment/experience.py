@@ -31,7 +31,7 @@ from alignment.estimators import (compute_gae_advantages, compute_reinforce_pp_a
                                   explained_variance, kl_penalty, outcome_token_rewards, pool_statistics,
                                   subtract_group_mean, whiten)
 from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts
-from alignment.grpo import compute_group_normalized_rewards, filter_groups, loss_weights, reward_metrics
+from alignment.grpo import compute_group_normalized_rewards, filter_pools, loss_weights, reward_metrics
 from alignment.rollout import Rollout, traces
 from alignment.sampling import SamplingParams, derive_seed
 from alignment.tokens import rollout_log_probs, rollout_values
@@ -181,15 +181,17 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
             raw = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
             grown.append(numbers)
             seconds["sample"] += time.perf_counter() - start
-        keep = torch.ones(len(round_traces), dtype=torch.bool)
-        if filtering:
-            accuracy = torch.tensor([float(s["answer_reward"]) for s in scores])
-            keep = filter_groups(raw, args.group_size, args.filter_low, args.filter_high, accuracy=accuracy)
+        n, keep = args.group_size, torch.ones(len(round_traces), dtype=torch.bool)
+        if filtering:  # a filter reads what it filters: with adaptive groups, each whole grown pool
+            groups = pools if adaptive_groups else [scores[g * n:(g + 1) * n] for g in range(len(scores) // n)]
+            keep = filter_pools([torch.tensor([s["reward"] for s in g], dtype=torch.float32) for g in groups],
+                                [torch.tensor([float(s["answer_reward"]) for s in g]) for g in groups],
+                                args.filter_low, args.filter_high).repeat_interleave(n)
         for i in keep.nonzero().flatten().tolist():
             kept.append(round_traces[i])
             raw_rewards.append(raw[i])
-            if adaptive_groups and i % args.group_size == 0:
-                kept_pools.append(pools[i // args.group_size])
+            if adaptive_groups and i % n == 0:
+                kept_pools.append(torch.tensor([s["reward"] for s in pools[i // n]], dtype=torch.float32))
         if not filtering or distributed.global_min(len(kept) >= wanted):
             break
     kept, raw_rewards, kept_pools = kept[:wanted], raw_rewards[:wanted], kept_pools[:wanted // args.group_size]

@@ -94,15 +94,24 @@ def filter_groups(rewards: torch.Tensor, group_size: int, low: float | None = No
     accuracy = rewards if accuracy is None else accuracy
     if accuracy.shape != rewards.shape:
         raise ValueError(f"accuracy {tuple(accuracy.shape)} must match rewards {tuple(rewards.shape)}")
-    n = group_size
-    spread = einx.max("(g n) -> g", rewards, n=n) - einx.min("(g n) -> g", rewards, n=n)
-    mean_accuracy = einx.mean("(g n) -> g", accuracy.float(), n=n)
-    keep = spread > 0
+    keep = filter_pools(list(rewards.view(-1, group_size)), list(accuracy.float().view(-1, group_size)), low, high)
+    return einx.id("g -> (g n)", keep, n=group_size)
+
+
+def filter_pools(rewards: list[torch.Tensor], accuracy: list[torch.Tensor], low: float | None = None,
+                 high: float | None = None) -> torch.Tensor:
+    """`filter_groups`' rule, one group at a time, for groups of any size: keep group g (a bool per group)
+    when its rewards differ and the mean of `accuracy[g]` lies in [low, high]. With adaptive groups a group
+    is its whole grown pool, not the n answers picked from it: the filter reads the statistic of what it
+    filters (a pool of 12 with 1 right has accuracy 1/12, however its picked answers split)."""
+    spread = torch.tensor([bool((r.max() - r.min()) > 0) for r in rewards])
+    mean_accuracy = torch.tensor([a.float().mean().item() for a in accuracy])
+    keep = spread
     if low is not None:
         keep &= mean_accuracy >= low
     if high is not None:
         keep &= mean_accuracy <= high
-    return einx.id("g -> (g n)", keep, n=n)
+    return keep
 
 
 def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -359,6 +368,9 @@ def policy_microbatch_train_step(
         policy_log_probs, loss_type, advantages, advantages, old_log_probs, cliprange,
         cliprange_high=cliprange_high, response_mask=response_mask)
     if rollout_is_weights is not None:
+        if loss_type == "gspo" and _varies_within_rows(rollout_is_weights, response_mask):
+            raise ValueError("gspo keeps one weight per sequence: rollout-correction weights that vary along a row "
+                             "would weigh its tokens apart (use a sequence or geometric level).")
         per_token_loss = per_token_loss * rollout_is_weights.detach()
     metadata = {}
     if entropy_coef:
@@ -413,3 +425,11 @@ def grpo_microbatch_train_step(
         policy_log_probs, response_mask, weights, None if signal is None else _per_row(signal), old_log_probs,
         loss_type, cliprange=cliprange, cliprange_high=cliprange_high, ref_log_probs=ref_log_probs, kl_coef=kl_coef,
         kl_estimator=kl_estimator, token_entropy=token_entropy, entropy_coef=entropy_coef)
+
+
+def _varies_within_rows(weights: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether a (B, T) weight differs between the masked positions of one row."""
+    mask = mask.bool()
+    high = torch.where(mask, weights, torch.full_like(weights, -torch.inf)).amax(-1)
+    low = torch.where(mask, weights, torch.full_like(weights, torch.inf)).amin(-1)
+    return bool(((high - low) > 1e-6 * high.abs().clamp(min=1))[mask.any(-1)].any())

@@ -245,7 +245,7 @@ class VLLMSampler:
 
     def __init__(self, model_path: str, device: str = "cuda", gpu_memory_utilization: float = 0.85,
                  kv_cache_gib: int | None = None, max_model_len: int | None = None, seed: int = 0,
-                 precision: str = "auto", enforce_eager: bool = False, progress: bool = False):
+                 precision: str | None = None, enforce_eager: bool = False, progress: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         on_gpu = torch.device(device).type == "cuda"
         if not on_gpu:  # read when the engine starts; unset, vLLM 0.32 takes most of the free memory
@@ -260,7 +260,9 @@ class VLLMSampler:
         options = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {"enable_chunked_prefill": False}
         if distributed.launched():
             options["distributed_executor_backend"] = "external_launcher"
-        dtype = "bfloat16" if models.resolve_precision(precision, device) == "bf16" else "float32"
+        # one default with every model that is only run (models.default_dtype): the scripts pass their
+        # --precision; a library call without one gets bf16 on a GPU and fp32 on every CPU
+        dtype = "bfloat16" if models.default_dtype(device, precision) == torch.bfloat16 else "float32"
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
                        logprobs_mode="processed_logprobs", **options)

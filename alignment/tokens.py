@@ -11,6 +11,8 @@ logsumexp, and entropy is computed over chunks of positions.
 
 import torch
 
+from alignment.errors import UserError
+
 ENTROPY_CHUNK_POSITIONS = 1024  # positions per entropy chunk: 1024 x 152k vocab x 4 bytes = 0.6 GB
 
 
@@ -91,7 +93,7 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     if one_forward:
         return _one_forward_log_probs(model, prompts, responses, return_token_entropy, temperature, entropy_grad)
     device = next(model.parameters()).device
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    decoder = model.get_decoder()
     by_prompt: dict[tuple, list[int]] = {}
     for row, prompt in enumerate(prompts):
         by_prompt.setdefault(tuple(prompt), []).append(row)
@@ -110,7 +112,7 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
             positions = torch.arange(len(prompt), len(prompt) + width - 1, device=device).expand(len(group), -1)
             rest = decoder(input_ids=ids[:, :-1], position_ids=positions, past_key_values=cache, use_cache=True)
             hidden = torch.cat([hidden, rest.last_hidden_state], dim=1)  # (G, T, d)
-        logits = _tempered(head(hidden), temperature)  # (G, T, V): response positions only
+        logits = _tempered(output_logits(model, hidden), temperature)  # (G, T, V): response positions only
         log_probs = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
         entropy = compute_entropy(logits if entropy_grad else logits.detach()) if return_token_entropy else None
         for i, (row, response) in enumerate(zip(rows, group)):
@@ -122,6 +124,38 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     if return_token_entropy:
         result["token_entropy"] = pad(row_entropy, batch_first=True)
     return result
+
+
+def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's logits from its decoder's last hidden states: the output head, then what the model's own
+    forward does after it (transformers 5: Gemma-2/3's final-logit softcapping, Cohere's logit_scale,
+    Granite's logits_scaling), so the shared-prompt path scores the distribution the sampler draws from.
+    `check_output_head` verifies this against the model's forward when a policy is loaded."""
+    logits = model.get_output_embeddings()(hidden)
+    config = getattr(model.config, "text_config", None) or model.config
+    scale = getattr(model, "logit_scale", None) or getattr(config, "logit_scale", None)
+    if scale is not None and not isinstance(scale, torch.nn.Module):  # Cohere
+        logits = logits * scale
+    if getattr(config, "logits_scaling", None):  # Granite
+        logits = logits / config.logits_scaling
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:  # Gemma-2/3
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+@torch.no_grad()
+def check_output_head(model):
+    """Refuse, in one sentence, a model whose forward changes its logits in a way `output_logits` does not
+    reproduce (the shared-prompt log-probs would score another distribution than the sampler's)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([[1, 2, 3, 4]], device=device)
+    full = model(input_ids=ids).logits[:, -1].float()
+    shared = output_logits(model, model.get_decoder()(input_ids=ids).last_hidden_state[:, -1:]).float()[:, -1]
+    if not torch.allclose(full, shared, rtol=1e-3, atol=1e-3 * max(1.0, full.abs().max().item())):
+        raise UserError(f"{type(model).__name__}'s forward changes its logits after the output head in a way this "
+                        f"project does not reproduce (alignment/tokens.py output_logits): its log-probs would not be "
+                        f"the sampler's; use a model of another family, or add its post-head step there.")
 
 
 def _one_forward_log_probs(model, prompts, responses, return_token_entropy, temperature, entropy_grad) -> dict:

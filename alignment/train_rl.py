@@ -40,7 +40,7 @@ from alignment.experience import Experience, build_experience, collect_rollouts
 from alignment.grpo import policy_microbatch_train_step, weighted_sum
 from alignment.run import Run
 from alignment.sampling import HFSampler, SamplingParams, WeightPush, derive_seed, make_sampler, pick_backend
-from alignment.tokens import rollout_log_probs, rollout_values
+from alignment.tokens import check_output_head, rollout_log_probs, rollout_values
 
 RESUMABLE_CHANGES = {"n_steps"}  # flags a resumed run may change, besides the run folder's own (run.py)
 MAX_BAD_STEPS = 3  # consecutive non-finite losses or gradients before the run aborts
@@ -107,7 +107,8 @@ def main(args: RLArgs) -> dict:
         raise UserError("--async_steps 1 samples while the policy trains, so the sampler needs weights of its own: "
                         "use --backend vllm, or put the sampler on another device with --sample_device.")
     run.say(f"[train_rl] {args.loss_type} loss, {args.advantage_estimator} advantages"
-            f"{' (the raw reward)' if args.advantage_estimator == 'none' else ''}, on {args.dataset} from {run.weights}; "
+            f"{' (the raw reward)' if args.advantage_estimator == 'none' else ''}, rollout correction {args.rollout_is}"
+            f"{f' ({args.rollout_is_level} level)' if args.rollout_is != 'none' else ''}, on {args.dataset} from {run.weights}; "
             f"devices {roles}; sampler {backend}; precision {models.resolve_precision(args.precision, roles['policy'][0])}"
             f" ({args.precision}); {distributed.world_size()} process(es){' (torchrun, FSDP2)' if device else ''}; "
             f"run folder {run.dir}")
@@ -238,6 +239,8 @@ def load_models(args: RLArgs, run: Run, roles: dict, device: str, backend: str) 
     tokenizer = models.load_tokenizer(run.weights)
     dtype, autocast = models.train_precision(roles["policy"][0], args.precision, args.bf16_weights)
     policy = models.load_policy(run, args, roles["policy"], dtype)
+    if not device:  # the shared-prompt log-probs (tokens.py) must score what the model's forward does
+        check_output_head(policy)
     if device:
         distributed.shard(policy, device, bf16=models.resolve_precision(args.precision, device) == "bf16")
 

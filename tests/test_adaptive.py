@@ -1,5 +1,5 @@
-"""Adaptive group size (--group_size_max, alignment/adaptive.py): growth stops at spread or M, the trained group
-keeps both sides, the baselines come from the whole pool, and a run replays exactly."""
+"""Adaptive group size (--group_size_max, alignment/adaptive.py): growth stops when balanced (the authors' rule)
+or at M, the trained group keeps both sides, dynamic sampling reads the whole pool, the baselines come from the whole pool, and a run replays exactly."""
 
 import json
 import zlib
@@ -10,7 +10,7 @@ import torch
 from alignment import adaptive, experience, train_rl
 from alignment.args import RLArgs, parse
 from alignment.estimators import compute_rloo_advantages, pool_statistics, subtract_group_mean
-from alignment.grpo import compute_group_normalized_rewards
+from alignment.grpo import compute_group_normalized_rewards, filter_groups, filter_pools
 from alignment.rollout import Rollout
 from alignment.sampling import SamplingParams
 from tests.test_train_rl import tiny_args
@@ -65,34 +65,65 @@ class ScriptedMode:
 
     def score(self, trace, group):
         question, number = map(int, trace[-1].text.split(":"))
-        return {"reward": float(number in self.right.get(question, ()))}
+        right = float(number in self.right.get(question, ()))
+        return {"reward": right, "answer_reward": right}
 
 
-def test_groups_grow_until_their_rewards_differ_or_they_hold_m_samples():
+def test_groups_grow_until_balanced_as_the_authors_code_does_or_hold_m_samples():
+    """Reinforce-Ada's balanced rule (RLHFlow/Reinforce-Ada-Tinker, strategy "balanced"): a pool grows until
+    it holds n//2 right and n - n//2 wrong answers, samples after that point are not added, and the trained
+    group is n//2 right and n - n//2 wrong (else the authors' fallback)."""
     n, m = 4, 10
-    args = RLArgs(group_size=n, group_size_max=m, rollout_batch_size=12, train_batch_size=12)
-    # question 0 has spread at once, question 1 gets its first right answer in growth round 1 (sample 5),
-    # question 2 never does: 4, then 8, then 10 samples (the last round only 2)
-    mode = ScriptedMode({0: {1, 2, 3}, 1: {5}})
-    prompts = [[0], [1], [2]]
+    args = RLArgs(group_size=n, group_size_max=m, rollout_batch_size=16, train_batch_size=16)
+    # q0 is balanced at once (2 right, 2 wrong); q1 has 1 right, and gets its second at sample 5 (6 and 7 are
+    # dropped); q2 is never right: 4, then 8, then 10 samples (the last round only 2); q3 is all right at
+    # first, and its second wrong answer is sample 6 (7 dropped). Old rule: q1 and q3 had spread at once.
+    mode = ScriptedMode({0: {0, 1}, 1: {1, 5, 6}, 3: {0, 1, 2, 3, 4}})
+    prompts = [[0], [1], [2], [3]]
     params = SamplingParams(n=n, seed=1)
     first = [[row] for row in mode(prompts, params)]
     chosen, scores, pools, numbers = adaptive.grow_groups(args, 3, 1, mode, prompts, params, first,
                                                           [mode.score(t, 0) for t in first], mode.score)
-    assert [len(p) for p in pools] == [4, 8, 10]
-    assert [(asked, k) for asked, k, _ in mode.calls[1:]] == [([1, 2], 4), ([2], 2)]  # only groups without spread
+    assert [len(p) for p in pools] == [4, 6, 10, 7]
+    assert [(asked, k) for asked, k, _ in mode.calls[1:]] == [([1, 2, 3], 4), ([2], 2)]  # only unbalanced groups
     assert len({seed for _, _, seed in mode.calls}) == 3  # each round its own seed
-    assert len(chosen) == 3 * n and all(t[-1].group_id == i // n for i, t in enumerate(chosen))
+    assert len(chosen) == 4 * n and all(t[-1].group_id == i // n for i, t in enumerate(chosen))
     texts = [t[-1].text for t in chosen]
-    assert texts[:4] == ["0:0", "0:1", "0:2", "0:3"]  # 3 right, 1 wrong: the whole first group
-    assert "1:5" in texts[4:8] and [s["reward"] for s in scores[4:8]].count(1.0) == 1  # both sides of question 1
-    assert texts[8:] == ["2:0", "2:1", "2:2", "2:3"]  # no spread: the first n
-    assert pools[1].tolist() == [0.0] * 5 + [1.0] + [0.0] * 2
-    assert numbers["samples_per_question"] == pytest.approx(22 / 3) and numbers["samples_per_question_max"] == 10
-    assert numbers["spread_fraction"] == pytest.approx(2 / 3) and numbers["growth_tokens"] == 10 * 3
-    # a balanced pick: 2 above the mean and 2 at or below it when both sides have that many
-    pool = [(f"t{i}", {"reward": r}) for i, r in enumerate([1, 1, 1, 0, 0, 1, 0, 0])]
+    assert texts[:4] == ["0:0", "0:1", "0:2", "0:3"]
+    assert texts[4:8] == ["1:0", "1:1", "1:2", "1:5"]  # 2 right (1, 5) and 2 wrong, not 1 and 3
+    assert texts[8:12] == ["2:0", "2:1", "2:2", "2:3"]  # never right: the first n
+    assert texts[12:] == ["3:0", "3:1", "3:5", "3:6"]
+    assert [s["reward"] for s in scores[4:8]] == [0.0, 1.0, 0.0, 1.0]
+    assert [s["reward"] for s in pools[1]] == [0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    assert numbers["samples_per_question"] == pytest.approx(27 / 4) and numbers["samples_per_question_max"] == 10
+    assert numbers["spread_fraction"] == pytest.approx(3 / 4) and numbers["balanced_fraction"] == pytest.approx(3 / 4)
+    assert numbers["growth_tokens"] == (3 * 4 + 2) * 3  # every sampled token, the dropped ones too
+    pool = [(f"t{i}", {"answer_reward": r}) for i, r in enumerate([1, 1, 1, 0, 0, 1, 0, 0])]
     assert [t for t, _ in adaptive._balanced(pool, 4)] == ["t0", "t1", "t3", "t4"]
+    pool = [(f"t{i}", {"answer_reward": r}) for i, r in enumerate([1, 1, 1, 0, 1])]  # capped, one wrong
+    assert [t for t, _ in adaptive._balanced(pool, 4)] == ["t0", "t1", "t2", "t3"]
+
+
+def test_dynamic_sampling_reads_the_accuracy_of_the_whole_pool():
+    """A pool of 12 with 1 right (accuracy 1/12) is dropped by --filter_low 0.2, though the 4 answers picked
+    from it (1 right) have accuracy 0.25; a fixed group is read as before."""
+    pool_rewards = [torch.tensor([0.0] * 11 + [1.0]), torch.tensor([1.0, 0.0, 0.0, 1.0])]
+    keep = filter_pools(pool_rewards, pool_rewards, low=0.2)
+    assert keep.tolist() == [False, True]
+    picked = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert filter_groups(picked, 4, low=0.2).tolist() == [True] * 4  # the picked subset alone would pass
+    assert filter_pools([torch.tensor([1.0, 1.0])], [torch.tensor([1.0, 1.0])]).tolist() == [False]  # no spread
+
+
+def test_the_loop_filters_adaptive_groups_on_their_pools(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (rare_reward, ()))
+    seen = []
+    original = experience.filter_pools
+    monkeypatch.setattr(experience, "filter_pools", lambda r, a, low, high: seen.append([len(x) for x in r])
+                        or original(r, a, low, high))
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", group_size_max=12, sampling_max_tokens=4,
+                            filter_low=0.0, max_sampling_rounds=1, n_steps=1))
+    assert seen and any(size > 4 for sizes in seen for size in sizes)  # grown pools, not the picked 4
 
 
 def rare_reward(text, ground_truth, *rest):

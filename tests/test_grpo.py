@@ -664,10 +664,11 @@ def rollout_is_loop(old, sampler, mask, mode, level, threshold):
     weights = torch.zeros(rows, positions)
     for r in range(rows):
         sequence = sum(old[r, t].item() - sampler[r, t].item() for t in range(positions) if mask[r, t])
+        geometric = sequence / max(1, int(mask[r].sum()))
         for t in range(positions):
             if not mask[r, t]:
                 continue
-            ratio = math.exp(sequence if level == "sequence" else old[r, t].item() - sampler[r, t].item())
+            ratio = math.exp({"sequence": sequence, "geometric": geometric}.get(level, old[r, t].item() - sampler[r, t].item()))
             if mode == "truncate":
                 weights[r, t] = min(ratio, threshold)
             elif mode == "mask":
@@ -678,13 +679,13 @@ def rollout_is_loop(old, sampler, mask, mode, level, threshold):
 
 
 @pytest.mark.parametrize("mode", ["none", "truncate", "mask"])
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 def test_rollout_is_weights_equal_the_definition(mode, level):
     from alignment.estimators import compute_rollout_is_weights
     g = torch.Generator().manual_seed(11)
     mask = (torch.rand(6, 5, generator=g) < 0.7).long()
     old = -torch.rand(6, 5, generator=g) * 3
-    sampler = old + torch.randn(6, 5, generator=g) * (0.2 if level == "sequence" else 1.0)
+    sampler = old + torch.randn(6, 5, generator=g) * (0.2 if level == "sequence" else 0.5 if level == "geometric" else 1.0)
     sampler[~mask.bool()] = float("nan")  # what a forced token holds
     old[0, ~mask[0].bool()] = float("-inf")
     weights, metrics = compute_rollout_is_weights(old, sampler, mask, mode, level, 1.5)
@@ -719,3 +720,41 @@ def test_rollout_is_weights_change_the_gradient_and_masked_infs_stay_out():
     # on-policy the token's gradient is -A * w / num_tokens: the weight reaches the gradient, not only a metric
     torch.testing.assert_close(corrected, -adv * weights / 5)
     torch.testing.assert_close(logp.grad, -adv * mask / 5)
+
+
+@pytest.mark.parametrize("level", ["sequence", "geometric"])
+def test_gspo_with_rollout_correction_keeps_one_weight_per_sequence(level):
+    """The review's case: log(old / sampler) = [+1, 0, -1] is a sequence ratio of exactly 1, so with A = 1 the
+    per-token gradient of GSPO (on-policy, 3 tokens) is -1/3 on every token; token-level weights gave
+    [-0.67, -0.33, -0.12]. Sequence-level weights keep the gradient equal along the row."""
+    from alignment.estimators import compute_rollout_is_weights
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    mask = torch.ones(1, 3)
+    sampler = logp.detach() - torch.tensor([[1.0, 0.0, -1.0]])
+    weights, _ = compute_rollout_is_weights(logp.detach(), sampler, mask, "truncate", level, 2.0)
+    torch.testing.assert_close(weights, torch.ones(1, 3))
+    row_weights = loss_weights("seq-mean-token-mean", mask, num_rows=1, num_tokens=3)
+    policy_microbatch_train_step(logp, mask, row_weights, torch.tensor([[1.0]]), logp.detach(), "gspo", cliprange=0.2,
+                                 rollout_is_weights=weights)
+    torch.testing.assert_close(logp.grad, torch.full((1, 3), -1 / 3))
+    # a row of unequal sequence: every token still gets the same gradient
+    logp.grad = None
+    sampler = logp.detach() - torch.tensor([[0.9, 0.3, 0.6]])
+    weights, _ = compute_rollout_is_weights(logp.detach(), sampler, mask, "truncate", level, 1.5)
+    policy_microbatch_train_step(logp, mask, row_weights, torch.tensor([[1.0]]), logp.detach(), "gspo", cliprange=0.2,
+                                 rollout_is_weights=weights)
+    assert torch.allclose(logp.grad, logp.grad[0, :1].expand(1, 3))
+    token_weights, _ = compute_rollout_is_weights(logp.detach(), sampler, mask, "truncate", "token", 2.0)
+    with pytest.raises(ValueError, match="one weight per sequence"):
+        policy_microbatch_train_step(logp, mask, row_weights, torch.tensor([[1.0]]), logp.detach(), "gspo",
+                                     cliprange=0.2, rollout_is_weights=token_weights)
+
+
+def test_gspo_takes_geometric_correction_by_default_and_refuses_token_level(capsys):
+    from alignment.args import RLArgs, parse
+    assert parse(RLArgs, ["--loss_type", "gspo"]).rollout_is_level == "geometric"
+    assert parse(RLArgs, []).rollout_is_level == "token"
+    assert parse(RLArgs, ["--loss_type", "gspo", "--rollout_is", "none", "--rollout_is_level", "token"])
+    with pytest.raises(SystemExit):
+        parse(RLArgs, ["--loss_type", "gspo", "--rollout_is_level", "token"])
+    assert "gspo keeps one weight per sequence" in capsys.readouterr().err

@@ -182,3 +182,19 @@ def test_finished_rows_leave_the_batch_without_disturbing_the_others(tiny_model,
     for [a], [b] in zip(free, stopped):
         assert a.token_ids[:len(b.token_ids)] == b.token_ids  # same greedy path, cut at the stop
     assert any(len(c.token_ids) > k + 1 for [c] in stopped[1:])  # others kept going after row 0 left
+
+
+def test_a_vllm_sampler_built_as_a_library_call_takes_the_one_default_precision(monkeypatch):
+    """Without --precision, VLLMSampler runs fp32 on every CPU (bf16 on a GPU), as models.default_dtype does,
+    also on a CPU that reports fast bf16; with the scripts' --precision it follows that."""
+    import sys
+    import types
+    from alignment import models
+    from alignment.sampling import VLLMSampler
+    seen = []
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: seen.append(kw["dtype"])))
+    monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda cpuinfo=None: True)
+    VLLMSampler("model", device="cpu")
+    VLLMSampler("model", device="cpu", precision="auto")
+    VLLMSampler("model", device="cpu", precision="fp32")
+    assert seen == ["float32", "bfloat16", "float32"]

@@ -205,3 +205,11 @@ def test_evaluate_tir_reports_tool_stats(tokenizer):
     assert summary["mean_used_code"] == 0.5 and summary["mean_tool_calls"] == 0.5 and summary["mean_exec_errors"] == 0
     m = tir.tir_metrics(records, records)
     assert m["accuracy_with_code"] == 1.0 and m["accuracy_without_code"] == 0.0
+
+
+def test_training_on_tool_output_with_rollout_correction_is_refused_when_the_flags_are_parsed(capsys):
+    from alignment.args import RLArgs, parse
+    with pytest.raises(SystemExit):
+        parse(RLArgs, ["--rollout_mode", "tir", "--prompt", "tir", "--no_mask_observations"])
+    assert "add --rollout_is none" in capsys.readouterr().err
+    assert parse(RLArgs, ["--rollout_mode", "tir", "--prompt", "tir", "--no_mask_observations", "--rollout_is", "none"])

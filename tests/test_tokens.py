@@ -104,3 +104,43 @@ def test_one_forward_mode_gives_the_same_log_probs_and_entropy(tiny_model):
     one = rollout_log_probs(tiny_model, prompts, responses, return_token_entropy=True, temperature=0.7, one_forward=True)
     torch.testing.assert_close(one["log_probs"], shared["log_probs"], atol=1e-5, rtol=0)
     torch.testing.assert_close(one["token_entropy"], shared["token_entropy"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite", "llama"])
+def test_the_shared_prompt_path_applies_the_models_own_post_head_step(family):
+    """Gemma-2 caps its logits (tanh), Cohere scales them, Granite divides them, all after the output head: the
+    shared-prompt path, which calls the head itself, must give the log-probs of the model's own forward."""
+    from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig
+    from alignment.tokens import check_output_head, rollout_log_probs
+    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=128)
+    config = {"gemma2": lambda: Gemma2Config(**sizes, head_dim=16, final_logit_softcapping=0.5),
+              "cohere": lambda: CohereConfig(**sizes, logit_scale=3.0),
+              "granite": lambda: GraniteConfig(**sizes, logits_scaling=0.25),
+              "llama": lambda: LlamaConfig(**sizes)}[family]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    prompts = [[5, 6, 7], [5, 6, 7], [9, 10]]
+    responses = [[11, 12, 13, 14], [15, 16], [17, 18, 19]]
+    shared = rollout_log_probs(model, prompts, responses, return_token_entropy=True)
+    full = rollout_log_probs(model, prompts, responses, return_token_entropy=True, one_forward=True)
+    torch.testing.assert_close(shared["log_probs"], full["log_probs"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(shared["token_entropy"], full["token_entropy"], rtol=1e-4, atol=1e-5)
+    check_output_head(model)  # passes: the post-head step is reproduced
+
+
+def test_a_model_whose_forward_changes_its_logits_unknowably_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from alignment.errors import UserError
+    from alignment.tokens import check_output_head
+
+    class Doubled(LlamaForCausalLM):  # a post-head step output_logits does not know
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    model = Doubled(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1)).eval()
+    with pytest.raises(UserError, match="changes its logits after the output head"):
+        check_output_head(model)
