@@ -63,6 +63,8 @@ class Microbatch:
     ref_log_probs: torch.Tensor | None
     old_values: torch.Tensor | None
     returns: torch.Tensor | None
+    sequence_log_ratio: torch.Tensor | None = None  # (B,) the row's whole trace's log(old / sampler), summed
+    sequence_tokens: torch.Tensor | None = None  # (B,) the sampled tokens of the row's whole trace
 
 
 @dataclass
@@ -80,6 +82,10 @@ class Experience:
     old_values: torch.Tensor | None = None  # gae: the critic's values before the update
     returns: torch.Tensor | None = None  # gae: the critic's targets
     metrics: dict = field(default_factory=dict)
+    # sequence-level rollout correction of traces that span several rows (Delethink): each row's whole
+    # trace's summed log(old / sampler) and sampled tokens, so a trace's chunks share one ratio
+    sequence_log_ratio: torch.Tensor | None = None  # (rows,)
+    sequence_tokens: torch.Tensor | None = None  # (rows,)
 
     def loss_weights(self, rows: list[int], mode: str, max_response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's weight in the loss of the train batch made of `rows`: for the policy loss under
@@ -109,7 +115,9 @@ class Experience:
                           advantages=(advantages if advantages.shape[1] == 1 else advantages[:, :width]).to(device),
                           sampler_log_probs=take(self.sampler_log_probs), old_log_probs=take(self.old_log_probs),
                           ref_log_probs=take(self.ref_log_probs), old_values=take(self.old_values),
-                          returns=take(self.returns))
+                          returns=take(self.returns),
+                          sequence_log_ratio=None if self.sequence_log_ratio is None else self.sequence_log_ratio[rows].to(device),
+                          sequence_tokens=None if self.sequence_tokens is None else self.sequence_tokens[rows].to(device))
 
 
 def questions_at(rows: list[dict], position: int, count: int, seed: int) -> list[dict]:
@@ -227,7 +235,9 @@ def build_experience(args, batch: Batch, policy, reference, critic, autocast) ->
         return no_grad_rows(lambda p, r: rollout_log_probs(model, p, r, temperature=temperature,
                                                            one_forward=sharded)["log_probs"],
                             model, rows, width, args.train_mini_batch_size, autocast, collective=sharded)
-    old = log_probs(policy, distributed.launched()) if not on_policy or args.kl_in_reward else None
+    # a trace's ratio over several rows needs the old log-probs of all its rows before the first microbatch
+    per_trace = args.rollout_is != "none" and args.rollout_is_level != "token" and len(rows) > len(batch.traces)
+    old = log_probs(policy, distributed.launched()) if not on_policy or args.kl_in_reward or per_trace else None
     with lora.frozen(reference):  # a LoRA policy as its own reference: its adapters off
         ref = log_probs(reference) if reference is not None else None
     token_kl = kl_penalty(old, ref, args.kl_estimator) if args.kl_in_reward else None
@@ -245,8 +255,14 @@ def build_experience(args, batch: Batch, policy, reference, critic, autocast) ->
                    "explained_variance": explained_variance(values, returns, mask)}
     if token_kl is not None:
         metrics["kl_in_reward"] = (token_kl * mask).sum().item() / mask.sum().clamp(min=1).item()
-    return Experience(rows, row_trace, mask, advantages, _pad([r.sampler_logprobs or [] for r in rows], width, math.nan),
-                      old, ref, values, returns, metrics)
+    sampler = _pad([r.sampler_logprobs or [] for r in rows], width, math.nan)
+    sequence = (None, None)
+    if per_trace:  # sums over each trace's rows, given to each of its rows
+        log_ratio = torch.where(mask.bool(), old - sampler, 0.0).sum(-1)
+        traces = len(batch.traces)
+        sequence = (torch.zeros(traces).index_add(0, row_trace, log_ratio)[row_trace],
+                    torch.zeros(traces).index_add(0, row_trace, mask.sum(-1))[row_trace])
+    return Experience(rows, row_trace, mask, advantages, sampler, old, ref, values, returns, metrics, *sequence)
 
 
 def _pad(lists: list[list[float]], width: int, value: float) -> torch.Tensor:

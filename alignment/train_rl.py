@@ -385,7 +385,8 @@ def _rollout_correction(args, old: torch.Tensor, mb, train: _Means, tokens: floa
         raise UserError(f"--rollout_is {args.rollout_is} needs the sampler's log-prob of every sampled token, and "
                         f"these rollouts carry none; use --rollout_is none.")
     weights, metrics = compute_rollout_is_weights(old, mb.sampler_log_probs, mb.mask, args.rollout_is,
-                                                  args.rollout_is_level, args.rollout_is_threshold)
+                                                  args.rollout_is_level, args.rollout_is_threshold,
+                                                  mb.sequence_log_ratio, mb.sequence_tokens)
     for key, value in metrics.items():
         train.add(key, value, tokens)
     return weights

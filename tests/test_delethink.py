@@ -180,3 +180,41 @@ def test_evaluate_reports_chunks_and_thinking_tokens(tokenizer):
 def test_bad_budgets_fail_loudly():
     with pytest.raises(ValueError, match="keep_head"):
         delethink.budgets(mode_args(16, 4, 8))
+
+
+@pytest.mark.parametrize("level", ["sequence", "geometric"])
+def test_sequence_level_correction_takes_a_delethink_traces_ratio_over_all_its_chunks(tiny_model, level):
+    """A trace of two rows (chunks) and a trace of one: with a sequence or geometric level, both chunks of the
+    first trace get the ratio of the whole trace, computed from its summed log(old / sampler) (and, for
+    geometric, its token count), as the definition written out per trace says; rows apart would each get
+    their own."""
+    import contextlib
+    import math
+    from alignment.args import RLArgs
+    from alignment.estimators import compute_rollout_is_weights
+    from alignment.experience import Batch, build_experience
+    from alignment.rollout import Rollout
+    from alignment.tokens import rollout_log_probs
+    g = torch.Generator().manual_seed(3)
+    prompts, responses = [[5, 6, 7], [5, 6, 7, 8, 9], [5, 6]], [[11, 12, 13], [14, 15], [16, 17, 18, 19]]
+    with torch.no_grad():
+        learner = rollout_log_probs(tiny_model, prompts, responses)["log_probs"]
+    shifts = [torch.randn(len(r), generator=g) * 0.3 for r in responses]
+    rows = [Rollout(p, r, [1] * len(r), trace_id=t, group_id=0, text="x", finish_reason="stop",
+                    sampler_logprobs=(learner[i, :len(r)] - shifts[i]).tolist())
+            for i, (p, r, t) in enumerate(zip(prompts, responses, [0, 0, 1]))]
+    batch = Batch([rows[:2], rows[2:]], torch.tensor([1.0, 0.0]), {}, [], {})
+    args = RLArgs(rollout_mode="delethink", group_size=2, rollout_batch_size=2, train_batch_size=2, train_mini_batch_size=2,
+                  rollout_is_level=level, loss_agg_mode="trace-length")
+    args.check()
+    exp = build_experience(args, batch, tiny_model, None, None, contextlib.nullcontext())
+    mb = exp.microbatch([0, 1, 2], "cpu")
+    weights, _ = compute_rollout_is_weights(mb.old_log_probs, mb.sampler_log_probs, mb.mask, "truncate", level, 2.0,
+                                            mb.sequence_log_ratio, mb.sequence_tokens)
+    trace_sums = [float(shifts[0].sum() + shifts[1].sum()), float(shifts[2].sum())]
+    trace_tokens = [5, 4]
+    for row, trace in ((0, 0), (1, 0), (2, 1)):
+        log_ratio = trace_sums[trace] / (trace_tokens[trace] if level == "geometric" else 1)
+        expected = min(math.exp(log_ratio), 2.0)
+        n = len(responses[row])
+        torch.testing.assert_close(weights[row, :n], torch.full((n,), expected), rtol=1e-4, atol=1e-5)
