@@ -8,6 +8,7 @@ parsing, so a bad combination fails before any model is loaded. Booleans are `--
 import argparse
 import difflib
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
 
@@ -193,6 +194,11 @@ class RunArgs:
     def check_run(self):
         if self.resume and self.overwrite:
             raise ValueError("--resume continues a run and --overwrite deletes it: pass one of them.")
+        default = next(f.default for f in fields(self) if f.name == "output_dir")  # sft's is a folder, not None
+        if (self.resume and self.output_dir not in (None, default)
+                and os.path.realpath(self.output_dir) != os.path.realpath(self.resume)):
+            raise ValueError(f"--resume {self.resume} continues the run in that folder, and --output_dir "
+                             f"{self.output_dir} names another: drop --output_dir (a resumed run writes where it ran).")
 
 
 @dataclass

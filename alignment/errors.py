@@ -26,7 +26,6 @@ def cli(main, args):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("\nstopped at once: the step in progress is lost; the last checkpoint is kept (continue with "
-              "--resume <run folder>).", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a run says what it kept (run.py); elsewhere nothing was saved
+        print(f"\n{e.args[0] if e.args else 'stopped.'}", file=sys.stderr)
         sys.exit(130)

@@ -251,10 +251,10 @@ def build_experience(args, batch: Batch, policy, reference, critic, autocast) ->
             whiten(advantages, advantages, distributed.global_sum)
     metrics = {}
     if values is not None:
-        metrics = {"value_mean": (values * mask).sum().item() / mask.sum().clamp(min=1).item(),
+        metrics = {"value_mean": torch.where(mask.bool(), values, 0.0).sum().item() / mask.sum().clamp(min=1).item(),
                    "explained_variance": explained_variance(values, returns, mask)}
     if token_kl is not None:
-        metrics["kl_in_reward"] = (token_kl * mask).sum().item() / mask.sum().clamp(min=1).item()
+        metrics["kl_in_reward"] = torch.where(mask.bool(), token_kl, 0.0).sum().item() / mask.sum().clamp(min=1).item()
     sampler = _pad([r.sampler_logprobs or [] for r in rows], width, math.nan)
     sequence = (None, None)
     if per_trace:  # sums over each trace's rows, given to each of its rows
@@ -281,7 +281,9 @@ def compute_advantages(args, rewards: torch.Tensor, mask: torch.Tensor, row_trac
     per-token ones; returns (rows, T) for gae, else None. `rewards` (traces,) in consecutive groups;
     `row_trace` maps rows to traces. `pools`: with adaptive groups, each group's pool of rewards, which the
     group baselines are taken from (Reinforce-Ada; alignment/adaptive.py)."""
-    penalty = -args.kl_coef * token_kl * mask if token_kl is not None else torch.zeros_like(mask)  # (rows, T)
+    # torch.where, not * mask: a forced token's KL can be NaN (both log-probs -inf), and NaN * 0 is NaN
+    penalty = (torch.where(mask.bool(), -args.kl_coef * token_kl, 0.0) if token_kl is not None
+               else torch.zeros_like(mask))  # (rows, T)
     estimator, n = args.advantage_estimator, args.group_size
     pooled = pool_statistics(rewards, pools, n) if pools is not None else None  # (no KL in the reward: checked)
     returns = None

@@ -9,7 +9,9 @@ optional wandb/tensorboard logger, and checkpoints that save and resume.
 
 A run folder that holds anything is never reused by accident: `--resume <run>` continues it (with the flags
 it was started with, apart from `resumable` ones such as the step count), `--overwrite` deletes it first,
-and anything else is refused with one line. A resumed run drops the metrics and rollouts its crashed
+and anything else is refused with one line. It belongs to the script that made it (config.json names it;
+another script's `--resume` is refused), and it is locked while a run writes it (an flock on <run>/.lock,
+which the kernel releases when the process ends, killed or not), so two runs never write one folder. A resumed run drops the metrics and rollouts its crashed
 predecessor wrote after the checkpoint, so every step is in the files once.
 
 The rank is decided once, here: on rank 0 every method writes; on the other ranks the same calls write
@@ -24,18 +26,22 @@ import math
 import pickle
 import random
 import shutil
+import fcntl
+import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from alignment import distributed, models
-from alignment.args import to_dict
+from alignment.args import SCRIPTS, to_dict
 from alignment.errors import MissingFileError, UserError
 
 STATE_FILE = "trainer_state.pt"
+SAME_PRESS_SECONDS = 1.0  # signals of one kind this close together are one press (uv forwards what the group got)
 ALWAYS_RESUMABLE = {"resume", "overwrite", "output_dir", "eval_every", "eval_before_train", "save_every", "log_rollouts",
                     "logger"}
 
@@ -45,10 +51,14 @@ class Run:
 
     def __init__(self, args, default_dir: str, start_model: str | None, resumable=()):
         self.args, self.main = args, distributed.is_main()
+        self.script = next((name for name, cls in SCRIPTS.items() if cls is type(args)), type(args).__name__)
         # rank 0 names the folder (a default name holds the time); every rank then checks the same folder
         # before rank 0 changes anything in it
         self.dir = Path(distributed.gather_objects(args.resume or args.output_dir or default_dir)[0])
         self.checkpoint = self.dir / "checkpoint"
+        if args.resume and not self.dir.is_dir():
+            raise MissingFileError(f"--resume {self.dir}: no such run folder.")
+        self._lock = _lock_folder(self.dir) if self.main else None  # held until this process ends
         self.state = self._resume_state(set(resumable) | ALWAYS_RESUMABLE) if args.resume else None
         if not args.resume and _holds_a_run(self.dir) and not args.overwrite:
             raise UserError(f"{self.dir} already holds a run: continue it with --resume {self.dir}, start over with "
@@ -57,15 +67,17 @@ class Run:
         # the model the run started from: the KL reference in RL, and what a resume reports
         self.start_model = self.state["start_model"] if self.state else start_model
         self.start_step = self.state["step"] if self.state else 0
-        self.signal = 0  # set by the first Ctrl-C or SIGTERM inside stop_on_signal()
+        self.signal, self.signal_time = 0, 0.0  # the first Ctrl-C or SIGTERM inside stop_on_signal(), and when
         self.logger = _NullLogger()
         if self.main:
-            if args.overwrite:
-                shutil.rmtree(self.dir, ignore_errors=True)
+            if args.overwrite:  # everything but the lock this run holds
+                for path in self.dir.iterdir():
+                    if path.name != LOCK_FILE:
+                        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
             writable_folder(self.dir)  # an output path that cannot be written fails now, not after the work
             for name in ("metrics.jsonl", "rollouts.jsonl"):  # a crash after the checkpoint wrote these again
                 _truncate_jsonl(self.dir / name, self.start_step)
-            config = {**to_dict(args), "start_model": self.start_model}
+            config = {**to_dict(args), "start_model": self.start_model, "script": self.script}
             (self.dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
             self.logger = _make_logger(args.logger, self.dir, config)
 
@@ -116,11 +128,21 @@ class Run:
                 signal.signal(sig, handler)
 
     def _on_signal(self, signum, frame):
+        now = time.monotonic()
+        if self.signal == signum and now - self.signal_time < SAME_PRESS_SECONDS:
+            return  # the same press delivered twice: `uv run` forwards what the process group already got
         if self.signal:
-            raise KeyboardInterrupt
-        self.signal = signum
+            raise KeyboardInterrupt(self._lost())
+        self.signal, self.signal_time = signum, now
         tqdm.write(f"[run] {signal.Signals(signum).name}: stopping after this step, with a checkpoint "
                    f"(press Ctrl-C again to stop at once, losing the step)")
+
+    def _lost(self) -> str:
+        """What a stop at once leaves: the last checkpoint, or none."""
+        if (self.checkpoint / STATE_FILE).exists():
+            return (f"stopped at once: the step in progress is lost; the last checkpoint is kept: continue with "
+                    f"--resume {self.dir}")
+        return f"stopped at once, before the first checkpoint: nothing in {self.dir} can be resumed"
 
     def stop_requested(self) -> bool:
         """Whether a signal asked the run to stop, on any rank (a collective under torchrun: all stop together)."""
@@ -145,6 +167,11 @@ class Run:
         return self.state
 
     def _resume_state(self, resumable: set) -> dict:
+        owner = _config(self.dir).get("script")
+        if owner and owner != self.script:
+            raise UserError(f"{self.dir} is a run of alignment.{owner}, not of alignment.{self.script}: continue it "
+                            f"with `uv run -m alignment.{owner} --resume {self.dir}`, or start a new run (--model "
+                            f"{self.dir} starts from its weights).")
         with distributed.main_first():  # rank 0 completes a save a crash cut off, then every rank looks
             models.finish_interrupted_save(self.checkpoint)
         if not (self.checkpoint / STATE_FILE).exists():
@@ -178,7 +205,43 @@ def writable_folder(path) -> Path:
 
 def _holds_a_run(folder: Path) -> bool:
     """Anything but the config.json of a run that failed before its first step (nothing to lose there)."""
-    return folder.is_dir() and any(p.name != "config.json" for p in folder.iterdir())
+    return folder.is_dir() and any(p.name not in ("config.json", LOCK_FILE) for p in folder.iterdir())
+
+
+LOCK_FILE = ".lock"
+
+
+def _lock_folder(folder: Path):
+    """An exclusive flock on folder/.lock for as long as the returned file stays open (this process's life;
+    the kernel drops it when the process ends, however it ends, so a killed run never blocks the next)."""
+    key = os.path.realpath(folder)
+    if key in _HELD:  # this process holds it already (a script's main() called again, as tests and sweeps do)
+        return _HELD[key]
+    writable_folder(folder)
+    handle = open(folder / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise UserError(f"{folder} is being written by another run ({holder}): wait for it to end, or choose "
+                        f"another --output_dir.") from None
+    handle.truncate(0)
+    handle.write(f"process {os.getpid()}")
+    handle.flush()
+    _HELD[key] = handle
+    return handle
+
+
+_HELD: dict = {}  # run folders this process has locked: folder -> its open .lock
+
+
+def _config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 class _NullLogger:

@@ -112,6 +112,10 @@ def main(args: RLArgs) -> dict:
             f"devices {roles}; sampler {backend}; precision {models.resolve_precision(args.precision, roles['policy'][0])}"
             f" ({args.precision}); {distributed.world_size()} process(es){' (torchrun, FSDP2)' if device else ''}; "
             f"run folder {run.dir}")
+    if args.sampling_min_tokens:
+        run.say(f"[train_rl] warning: --sampling_min_tokens {args.sampling_min_tokens} keeps the sampler from ending "
+                f"early, but the loss scores the full softmax, where ending is possible: the gradient is biased (meant "
+                f"for benchmarks that force equal work).")
     if args.sampling_top_p < 1:
         run.say(f"[train_rl] warning: --sampling_top_p {args.sampling_top_p} samples from the nucleus but the loss "
                 f"scores the full softmax at T={args.sampling_temperature}: the policy gradient is biased.")
@@ -342,7 +346,8 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
             values = rollout_values(m.critic, mb.prompts, mb.responses)
             value_loss, value_meta = compute_value_loss(values, mb.old_values, mb.returns, mb.mask, args.cliprange_value)
             (weighted_sum(value_loss, mb.mask, value_weights[part]) * args.value_loss_coef).backward()
-            train.add("value_loss", (value_loss.detach() * mb.mask).sum().item() / max(tokens, 1), tokens)
+            train.add("value_loss", torch.where(mb.mask.bool(), value_loss.detach(), 0.0).sum().item() / max(tokens, 1),
+                      tokens)
             train.add("value_clip_fraction", value_meta["clipped"].float().sum().item() / max(tokens, 1), tokens)
         with torch.set_grad_enabled(learn):  # during the critic warm-up the policy's forward only logs
             out = rollout_log_probs(m.policy, mb.prompts, mb.responses, return_token_entropy=True, one_forward=sharded,

@@ -159,3 +159,21 @@ def test_adaptive_groups_are_refused_where_they_cannot_work(capsys):
         assert message in capsys.readouterr().err
     with pytest.raises(train_rl.UserError, match="not supported under torchrun"):
         train_rl._refuse_under_torchrun(parse(RLArgs, ["--group_size_max", "8"]), "cpu")
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "none"])
+def test_a_nan_kl_at_a_forced_token_stays_out_of_the_kl_in_reward_advantages(estimator):
+    """Old and reference both -inf at a forced token make its k3 KL NaN; the penalty is masked with
+    torch.where, so it does not reach the trace's reward (NaN * 0 would)."""
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    token_kl = torch.tensor([[0.01, float("nan"), 0.02], [0.03, 0.04, 0.05]])
+    args = RLArgs(group_size=2, rollout_batch_size=2, train_batch_size=2, train_mini_batch_size=2, kl_coef=0.1,
+                  kl_in_reward=True, advantage_estimator=estimator, kl_estimator="k3",
+                  loss_type="no_baseline" if estimator == "none" else "grpo_clip")
+    advantages, _ = experience.compute_advantages(args, torch.tensor([1.0, 0.0]), mask, torch.arange(2), token_kl,
+                                                  None, None)
+    assert torch.isfinite(advantages).all()
+    penalties = torch.tensor([-0.1 * 0.03, -0.1 * 0.12])
+    rewards = torch.tensor([1.0, 0.0]) + penalties
+    expected = {"none": rewards, "grpo": rewards - rewards.mean(), "rloo": rewards - rewards.flip(0)}[estimator]
+    torch.testing.assert_close(advantages[:, 0], expected)

@@ -2,6 +2,7 @@
 
 import json
 import random
+from pathlib import Path
 from dataclasses import dataclass
 
 import pytest
@@ -32,7 +33,7 @@ def test_a_new_run_writes_its_config_and_metrics_as_strict_json(tmp_path):
     assert json.loads((tmp_path / "run" / "config.json").read_text()) == {
         "output_dir": str(tmp_path / "run"), "resume": None, "overwrite": False, "logger": "none",
         "eval_before_train": True, "lr": 0.1,
-        "n_steps": 3, "start_model": "start-model"}
+        "n_steps": 3, "start_model": "start-model", "script": "Flags"}
     run.log({"step": 1, "loss": 0.5, "rate": float("nan")})
     run.log_rollouts(1, [{"prompt": "p", "response": "r"}])
     assert run.metrics() == [{"step": 1, "loss": 0.5, "rate": None}]
@@ -49,7 +50,7 @@ def test_a_used_folder_is_refused_unless_resumed_or_overwritten(tmp_path):
     with pytest.raises(UserError, match="already holds a run"):
         open_run(tmp_path / "other")
     run = open_run(tmp_path / "run", overwrite=True)
-    assert run.metrics() == [] and sorted(p.name for p in run.dir.iterdir()) == ["config.json"]
+    assert run.metrics() == [] and sorted(p.name for p in run.dir.iterdir()) == [".lock", "config.json"]
     with pytest.raises(ValueError, match="pass one of them"):
         Flags(resume="x", overwrite=True).check_run()
 
@@ -67,6 +68,7 @@ def test_resume_restores_state_and_refuses_changed_flags(tmp_path, tiny_model, t
     expected = torch.rand(1).item(), random.random()
     run.log({"step": 3, "loss": 3.0})  # written after the checkpoint, then the run crashed
 
+    (tmp_path / "empty").mkdir()
     with pytest.raises(MissingFileError, match="has no trainer_state.pt"):
         Run(Flags(resume=str(tmp_path / "empty")), "unused", None)
     with pytest.raises(UserError, match="these differ: lr"):
@@ -86,3 +88,62 @@ def test_resume_restores_state_and_refuses_changed_flags(tmp_path, tiny_model, t
     moments = [s["exp_avg"] for s in fresh_optimizer.state_dict()["state"].values()]
     assert moments and all(torch.equal(a, b["exp_avg"]) for a, b in zip(moments, optimizer.state_dict()["state"].values()))
     assert models.resolve_model(str(tmp_path / "run")) == str(tmp_path / "run" / "checkpoint")
+
+
+def test_a_run_folder_is_locked_while_a_run_writes_it_and_released_when_its_process_ends(tmp_path):
+    """Two runs started together on one folder: the second is refused while the first's process lives (an
+    flock, held by another process here), and a killed holder blocks nothing."""
+    import subprocess
+    import sys
+    folder = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from alignment.run import _lock_folder
+from pathlib import Path
+_lock_folder(Path({str(folder)!r}))
+print("locked", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(UserError, match=f"{folder} is being written by another run \\(process {holder.pid}\\)"):
+        open_run(folder)
+    holder.kill()
+    holder.wait()
+    open_run(folder).log({"step": 1})  # the killed run's lock went with its process
+
+
+def test_another_scripts_run_folder_is_not_resumed_and_resume_names_its_own_folder(tmp_path, tiny_model, tokenizer):
+    from alignment.args import RLArgs, SFTArgs
+    sft = Run(SFTArgs(output_dir=str(tmp_path / "sft")), "unused", "start", resumable=())
+    assert json.loads((tmp_path / "sft" / "config.json").read_text())["script"] == "sft"
+    sft.save(1, tiny_model, tokenizer, torch.optim.AdamW(tiny_model.parameters()))
+    with pytest.raises(UserError, match="is a run of alignment.sft, not of alignment.train_rl: continue it with "
+                                        "`uv run -m alignment.sft --resume"):
+        Run(RLArgs(resume=str(tmp_path / "sft")), "unused", None)
+    with pytest.raises(ValueError, match="names another: drop --output_dir"):
+        RLArgs(resume=str(tmp_path / "sft"), output_dir=str(tmp_path / "elsewhere")).check_run()
+    RLArgs(resume=str(tmp_path / "sft"), output_dir=str(tmp_path / "sft")).check_run()  # the same folder: fine
+    with pytest.raises(MissingFileError, match="no such run folder"):
+        Run(RLArgs(resume=str(tmp_path / "missing")), "unused", None)
+
+
+def test_one_press_delivered_twice_is_one_and_no_message_claims_a_missing_checkpoint(tmp_path, monkeypatch):
+    """`uv run` forwards the SIGINT that the process group already got: two within a second are one press
+    (stop after the step); a real second press stops at once and says what is kept, the truth."""
+    import signal
+    import alignment.run as run_module
+    clock = [100.0]
+    monkeypatch.setattr(run_module.time, "monotonic", lambda: clock[0])
+    run = open_run(tmp_path / "run")
+    run._on_signal(signal.SIGINT, None)
+    clock[0] += 0.2
+    run._on_signal(signal.SIGINT, None)  # the duplicate: ignored
+    assert run.signal == signal.SIGINT
+    clock[0] += 3.0
+    with pytest.raises(KeyboardInterrupt, match=f"before the first checkpoint: nothing in {tmp_path / 'run'} can be"):
+        run._on_signal(signal.SIGINT, None)
+    (run.checkpoint).mkdir()
+    (run.checkpoint / "trainer_state.pt").write_bytes(b"")
+    with pytest.raises(KeyboardInterrupt, match=f"the last checkpoint is kept: continue with --resume {tmp_path / 'run'}"):
+        run._on_signal(signal.SIGINT, None)
