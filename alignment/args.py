@@ -176,6 +176,7 @@ def to_dict(args) -> dict:
 
 # Sums of two numbers of up to two digits from reasoning-gym (offline, seeded): the CPU default RL task.
 # Advantage estimators that give each token its own advantage (one row per trace; whitened over the batch).
+MAX_GROWTH = 32  # adaptive groups: a pool holds at most this many times --group_size (31 growth rounds a step)
 TOKEN_LEVEL_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 PROMPTS = ("r1_zero", "question_only", "tir")  # alignment/prompts/*.prompt, each with its reward (evaluate.py)
 DEFAULT_RL_TASK = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=2,operators=+,allow_negation=false,allow_parentheses=false"
@@ -343,7 +344,7 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
     critic_warmup_steps: int = arg(0, "gae: steps that train only the critic before the policy starts to learn")
     filter_low: float | None = arg(None, "dynamic sampling: drop groups whose accuracy (answer reward) is below this (ZeroTIR: 0.2; 0 drops only all-equal groups); groups with equal rewards are always dropped then")
     filter_high: float | None = arg(None, "dynamic sampling: drop groups whose accuracy is above this (ZeroTIR: 0.8)")
-    group_size_max: int = arg(0, "adaptive groups (Reinforce-Ada): above --group_size, a question whose group has no reward spread is sampled again, group_size more per round, until its rewards differ or it has this many; it still trains on group_size of them (both sides kept), with the baseline from all of them (alignment/adaptive.py); 0: fixed groups")
+    group_size_max: int = arg(0, "adaptive groups (Reinforce-Ada, balanced): above --group_size n, a question whose pool holds fewer than n/2 right or n - n/2 wrong answers is sampled again, n more per round, until it holds both or has this many (at most 32 x n: 31 growth rounds); it trains on n of them (n/2 right, n - n/2 wrong where it can), with the baseline from all of them (alignment/adaptive.py); 0: fixed groups")
     max_sampling_rounds: int = arg(3, "dynamic sampling: rounds of fresh questions per step to fill the batch with kept groups (DAPO's refill)")
     sampling_temperature: float = arg(1.0, "temperature for rollouts; the loss scores softmax(logits / T), the distribution sampled")
     sampling_top_p: float = arg(1.0, "nucleus mass for rollouts; below 1 the loss still scores the full softmax at T, so the gradient is biased (a warning says so)")
@@ -428,6 +429,10 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
             raise ValueError("--rollout_mode delethink spreads a trace over several rows: use --loss_agg_mode trace-length.")
         if self.rollout_mode == "tir" and self.prompt != "tir":
             raise ValueError("--rollout_mode tir needs --prompt tir (the prompt that tells the model it can run code).")
+        if self.group_size_max > MAX_GROWTH * self.group_size:
+            raise ValueError(f"--group_size_max {self.group_size_max} would allow {-(-self.group_size_max // self.group_size) - 1} "
+                             f"growth rounds a step; at most {MAX_GROWTH * self.group_size} (32 x --group_size "
+                             f"{self.group_size}): a question the model never solves would be sampled that often.")
         if self.group_size_max and self.group_size_max <= self.group_size:
             raise ValueError(f"--group_size_max {self.group_size_max} must be above --group_size {self.group_size} "
                              f"(adaptive groups), or 0 (fixed groups).")

@@ -20,7 +20,7 @@ import torch
 
 from alignment import data, delethink, models, rollout, tir
 from alignment.args import EvalArgs, parse, to_dict
-from alignment.errors import cli
+from alignment.errors import UserError, cli
 from alignment.drgrpo_grader import extract_boxed, extract_last_number, normalize, question_only_reward_fn, r1_zero_reward_fn
 from alignment.rollout import traces
 from alignment.run import writable_folder
@@ -135,6 +135,9 @@ def main(args: EvalArgs) -> dict:
           f"precision {models.resolve_precision(args.precision, device)} ({args.precision})")
     out = writable_folder(args.output_dir or f"outputs/eval/{Path(args.model).name}-"
                           f"{re.sub(r'[^A-Za-z0-9._=-]+', '_', args.dataset)}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if (out / "summary.json").exists() or (out / "results.jsonl").exists():  # never replaced silently
+        raise UserError(f"{out} already holds evaluation results: choose another --output_dir (or leave it out for a "
+                        f"new dated folder), or delete that one.")
     torch.manual_seed(args.seed)
     tokenizer = models.load_tokenizer(args.model)
     model = models.load_model(args.model, device, models.default_dtype(device, args.precision)) if backend == "hf" else None

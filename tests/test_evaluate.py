@@ -7,6 +7,7 @@ import pytest
 from alignment import evaluate as ev
 from alignment.args import EvalArgs, parse
 from alignment.drgrpo_grader import r1_zero_reward_fn
+from alignment.errors import UserError
 from alignment.sampling import Completion, HFSampler, SamplingParams
 
 
@@ -25,6 +26,9 @@ def test_main_writes_records_and_a_summary_computed_from_them(tiny_model_dir, da
     assert summary["avg_all_rewards"] == sum(r["reward"] for r in records) / 6
     assert summary["mean_response_tokens"] == sum(r["n_tokens"] for r in records) / 6
     assert "pass@2" in summary and "maj@2" in summary
+    with pytest.raises(UserError, match="already holds evaluation results"):  # never replaced silently
+        ev.main(args)
+    assert json.loads((tmp_path / "out" / "summary.json").read_text()) == saved
 
 
 class CannedSampler:
