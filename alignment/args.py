@@ -147,6 +147,7 @@ AT_LEAST_ZERO = {"delethink_carryover", "delethink_keep_head", "max_tool_calls",
                  "filter_high", "group_size_max", "sampling_min_tokens", "weight_decay", "eval_every", "eval_limit", "save_every",
                  "log_rollouts", "seed", "max_examples", "max_response_tokens", "warmup_ratio", "limit", "temperature",
                  "lora_rank", "lora_dropout"}
+ABOVE_ONE = {"rollout_is_threshold"}  # a ratio bound: 1 would mean sampler and learner always agree
 AT_MOST_ONE = {"gamma", "lam", "filter_low", "filter_high", "warmup_ratio", "gpu_memory_utilization", "sampling_top_p",
                "top_p", "lora_dropout"}
 
@@ -162,6 +163,8 @@ def check_values(args):
             continue
         if not math.isfinite(value):
             raise ValueError(f"--{f.name} must be a finite number, not {value}.")
+        if f.name in ABOVE_ONE and value <= 1:
+            raise ValueError(f"--{f.name} must be above 1, not {value}.")
         if f.name in POSITIVE and value <= 0:
             raise ValueError(f"--{f.name} must be greater than 0, not {value}.")
         if f.name in AT_LEAST_ZERO and value < 0:
@@ -259,6 +262,12 @@ class LoraArgs:
             raise ValueError(f"--lora_dropout {self.lora_dropout} would drop every input of the adapters: use less than 1.")
         if not self.lora_target_modules.strip(" ,"):
             raise ValueError("--lora_target_modules is empty: use all-linear or name modules, e.g. q_proj,v_proj.")
+        defaults = {f.name: f.default for f in fields(LoraArgs)}
+        moot = [f"--{name} {getattr(self, name)}" for name in ("lora_alpha", "lora_dropout", "lora_target_modules")
+                if getattr(self, name) != defaults[name]]
+        if not self.lora_rank and moot:
+            raise ValueError(f"{', '.join(moot)} shape LoRA adapters, but --lora_rank 0 trains every weight without "
+                             f"them: add --lora_rank (e.g. 8) or drop {'it' if len(moot) == 1 else 'them'}.")
 
 
 @dataclass
@@ -367,6 +376,11 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
     sample_batch_size: int = arg(64, "HF sampler: sequences per generation batch")
     output_dir: str | None = arg(None, "run folder (default checkpoints/rl/<loss_type>-<time>): config.json, metrics.jsonl, rollouts.jsonl, checkpoint/")
 
+    def _estimator(self) -> str:
+        """--advantage_estimator as the user should read it in a message (no_baseline implies none)."""
+        implied = self.loss_type == "no_baseline" and self.advantage_estimator == "none"
+        return f"{self.advantage_estimator} (implied by --loss_type no_baseline)" if implied else self.advantage_estimator
+
     def check(self):
         check_values(self)
         self.check_rollout()
@@ -438,7 +452,7 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
                              f"(adaptive groups), or 0 (fixed groups).")
         if self.group_size_max and self.advantage_estimator not in ("grpo", "rloo", "reinforce_pp_baseline"):
             raise ValueError(f"--group_size_max grows groups for a group baseline, which --advantage_estimator "
-                             f"{self.advantage_estimator} has not: use grpo, rloo or reinforce_pp_baseline.")
+                             f"{self._estimator()} has not: use grpo, rloo or reinforce_pp_baseline.")
         if self.group_size_max and self.kl_in_reward:
             raise ValueError("--group_size_max takes the baseline from rewards of samples that are not trained on, "
                              "whose KL penalty is unknown: drop --kl_in_reward (--kl_coef in the loss works).")

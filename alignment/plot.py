@@ -10,7 +10,7 @@ Panels: reward (training rollouts and evaluation), format and answer rates, resp
 import argparse
 from pathlib import Path
 
-from alignment.errors import MissingFileError, cli
+from alignment.errors import MissingFileError, UserError, cli
 from alignment.run import read_jsonl
 
 PANELS = [
@@ -27,6 +27,11 @@ def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
     with several, each series is labelled with its run's name (`run_labels`) and the PNG goes to `out`
     (default: curves.png in the first run's parent folder). `x` is the horizontal axis: the step, or
     generated_tokens (the tokens sampled so far) to compare runs at equal sampling work (EI against RL)."""
+    out = Path(out) if out is not None else None
+    if out is not None and out.suffix.lower() not in (".png", ".pdf", ".svg", ".jpg", ".jpeg"):
+        raise UserError(f"--out {out}: name a picture file ending .png (or .pdf, .svg, .jpg).")
+    if out is not None and not out.parent.is_dir():
+        raise MissingFileError(f"--out {out}: the folder {out.parent} does not exist; create it first.")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -39,6 +44,12 @@ def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
             raise MissingFileError(f"{path} does not exist; pass a run folder written by alignment.train_rl, "
                                    f"alignment.expert_iteration or alignment.sft.")
         runs.append((name, read_jsonl(path)))
+    drawable = {key for _, series in PANELS for key, _ in series}
+    for (name, records), run_dir in zip(runs, run_dirs):
+        if not any(r.get(key) is not None and r.get(x) is not None for r in records for key in drawable):
+            raise UserError(f"{run_dir / 'metrics.jsonl'} holds nothing to draw against {x} ({len(records)} records): "
+                            f"plot takes runs of alignment.train_rl, expert_iteration or sft that logged a step or an "
+                            f"evaluation.")
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
     for ax, (title, series) in zip(axes, PANELS):
         for run_index, (name, records) in enumerate(runs):
@@ -56,8 +67,10 @@ def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
     fig.suptitle(", ".join(name for name, _ in runs))
     fig.tight_layout()
     out = Path(out or (run_dirs[0] / "curves.png" if len(runs) == 1 else run_dirs[0].parent / "curves.png"))
+    drawn = sum(len(ax.lines) for ax in axes)
     fig.savefig(out, dpi=110)
     plt.close(fig)
+    print(f"[plot] {drawn} curves in {sum(bool(ax.lines) for ax in axes)} of {len(PANELS)} panels, {len(runs)} run(s)")
     return out
 
 

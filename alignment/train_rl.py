@@ -102,6 +102,11 @@ def main(args: RLArgs) -> dict:
     roles = (dict(policy=[device], sample=device, reference=device, eval=device, critic=device) if device else
              models.assign_device_roles(models.available_devices(), args.sample_device, args.reference_model_device,
                                         args.eval_device, args.critic_device))
+    precision = models.resolve_precision(args.precision, roles["policy"][0])
+    if args.bf16_weights and not (roles["policy"][0].startswith("cuda") and precision == "bf16"):
+        raise UserError(f"--bf16_weights keeps bf16 parameters on a GPU that computes in bf16; here the policy runs on "
+                        f"{roles['policy'][0]} in {precision} (--precision {args.precision}), where it would change "
+                        f"nothing: drop it.")
     backend = pick_backend("hf" if device and args.backend == "auto" else args.backend, roles["sample"])
     if args.async_steps and backend == "hf" and roles["policy"] == [roles["sample"]]:
         raise UserError("--async_steps 1 samples while the policy trains, so the sampler needs weights of its own: "

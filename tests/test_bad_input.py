@@ -202,9 +202,31 @@ def test_choices_are_checked_by_name_and_hyphens_mean_underscores(capsys):
 def test_a_second_ctrl_c_ends_in_one_line_without_a_traceback(capsys):
     from alignment.errors import cli
 
-    def interrupted(args):
+    def interrupted(args):  # outside a run (loading a model, say): nothing was saved, and no line says so
         raise KeyboardInterrupt
     with pytest.raises(SystemExit) as exit_info:
         cli(interrupted, None)
     err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 130 and "\n" not in err and "--resume" in err and "Traceback" not in err
+    assert exit_info.value.code == 130 and err == "stopped." and "Traceback" not in err
+
+    def in_a_run(args):  # a run says what it kept (run.py's Run._lost)
+        raise KeyboardInterrupt("stopped at once: the step in progress is lost; the last checkpoint is kept: "
+                                "continue with --resume runs/x")
+    with pytest.raises(SystemExit):
+        cli(in_a_run, None)
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.endswith("--resume runs/x")
+
+
+def test_flags_that_another_flag_makes_moot_are_refused_by_the_value_given(capsys, tmp_path):
+    from alignment import train_rl
+    from alignment.errors import UserError
+    assert "--lora_alpha 16 shape LoRA adapters, but --lora_rank 0" in one_error_line(capsys, RLArgs, ["--lora_alpha", "16"])
+    assert "drop them" in one_error_line(capsys, SFTArgs, ["--lora_dropout", "0.1", "--lora_target_modules", "q_proj"])
+    assert "--rollout_is_threshold must be above 1, not 0.0" in one_error_line(capsys, RLArgs, ["--rollout_is_threshold", "0"])
+    assert "--rollout_is_threshold must be above 1, not 0.5" in one_error_line(capsys, RLArgs, ["--rollout_is_threshold", "0.5"])
+    assert "none (implied by --loss_type no_baseline)" in one_error_line(
+        capsys, RLArgs, ["--loss_type", "no_baseline", "--group_size_max", "8"])
+    args = RLArgs(bf16_weights=True, output_dir=str(tmp_path / "run"), precision="fp32")
+    with pytest.raises(UserError, match="--bf16_weights keeps bf16 parameters on a GPU"):
+        train_rl.main(args)
