@@ -2,8 +2,10 @@
 before any long work, and an interrupted run keeps what it did."""
 
 import dataclasses
+import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,3 +232,40 @@ def test_flags_that_another_flag_makes_moot_are_refused_by_the_value_given(capsy
     args = RLArgs(bf16_weights=True, output_dir=str(tmp_path / "run"), precision="fp32")
     with pytest.raises(UserError, match="--bf16_weights keeps bf16 parameters on a GPU"):
         train_rl.main(args)
+
+
+@pytest.mark.slow  # starts `uv run -m alignment.train_rl` as a user does, then signals its process group
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_process_group_under_uv_run_is_one_press(tiny_model_dir, tmp_path, signum):
+    """`timeout`, `kill -- -PGID` and Slurm signal the whole group, and `uv run` forwards the signal to its
+    child too: the run gets it twice within a moment. It must stop after its step, with a checkpoint, and
+    say so; then `--resume` goes on from it."""
+    import shutil
+    import subprocess
+    import time
+    uv = shutil.which("uv")
+    if uv is None:
+        pytest.skip("uv is not on PATH")
+    run_dir = tmp_path / "run"
+    flags = ["--model", tiny_model_dir, "--n_steps", "200", "--group_size", "2", "--rollout_batch_size", "4",
+             "--train_batch_size", "4", "--train_mini_batch_size", "2", "--sampling_max_tokens", "4", "--eval_every",
+             "0", "--save_every", "1000", "--rg_size", "40", "--precision", "fp32", "--output_dir", str(run_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([uv, "run", "--no-sync", "-m", "alignment.train_rl", *flags], cwd=Path(__file__).parents[1],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().count("\n") >= 2:
+        assert process.poll() is None and time.time() < deadline, process.stdout.read()[-3000:]
+        time.sleep(0.5)
+    os.killpg(process.pid, signum)  # the group gets it, and uv forwards it again
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 128 + signum, output[-3000:]
+    assert "stopped at once" not in output and "checkpoint saved: continue with --resume " + str(run_dir) in output
+    state = torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)
+    steps = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
+    assert state["step"] == steps[-1] >= 2
+    done = subprocess.run([uv, "run", "--no-sync", "-m", "alignment.train_rl", *flags[:2], "--n_steps", str(steps[-1] + 1),
+                           *flags[4:], "--resume", str(run_dir)], cwd=Path(__file__).parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")][-1] == steps[-1] + 1
