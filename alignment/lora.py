@@ -52,6 +52,29 @@ def add_lora(model, args, adapter_dir=None):
         raise UserError(f"--lora_target_modules {targets}: {str(e).strip().splitlines()[0]}") from None
 
 
+def check_against_config(args, config):
+    """Before any weight loads: every module named in --lora_target_modules is a linear layer of this
+    architecture (peft would silently skip a missing name while another matches), and --lora_rank is below
+    the width of the narrowest layer it adapts. Checked on the config's skeleton on the meta device."""
+    if not args.lora_rank:
+        return
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    linear = {name: module for name, module in skeleton.get_decoder().named_modules() if isinstance(module, torch.nn.Linear)}
+    kinds = sorted({name.rsplit(".", 1)[-1] for name in linear})
+    targets = args.lora_target_modules.strip()
+    wanted = kinds if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    missing = [t for t in wanted if t not in kinds]
+    if missing:
+        raise UserError(f"--lora_target_modules {targets}: {', '.join(missing)} is not a linear layer of "
+                        f"{type(skeleton).__name__}; its layers are {', '.join(kinds)}.")
+    width = min(min(m.in_features, m.out_features) for name, m in linear.items() if name.rsplit(".", 1)[-1] in wanted)
+    if args.lora_rank >= width:
+        raise UserError(f"--lora_rank {args.lora_rank} is not below the width {width} of the narrowest layer it "
+                        f"adapts, so the adapters would be no low-rank update: use a rank below {width}.")
+
+
 def refuse_under_torchrun(args):
     if args.lora_rank and distributed.launched():
         raise UserError("--lora_rank is not supported under torchrun (FSDP2 sharding of the adapters and the merged "

@@ -117,6 +117,13 @@ def resolve_model(name: str) -> str:
         if not os.path.exists(os.path.join(name, "config.json")):
             raise MissingFileError(f"{name} is a directory but has no config.json; pass an HF-format "
                                     f"model folder, a run folder saved by alignment.sft or train_rl, or a hub id.")
+        try:
+            config = json.loads(Path(name, "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            config = {}
+        if "model_type" not in config and "output_dir" in config:  # a run's flags, and no checkpoint yet
+            raise MissingFileError(f"{name} is a run folder without a checkpoint yet (its config.json holds the run's "
+                                    f"flags); continue the run with --resume {name}, or pass a folder with a checkpoint.")
         return name
     if name.startswith((".", "/")) or name.startswith("checkpoints"):
         raise MissingFileError(f"model folder {name} does not exist; train it first (e.g. "
@@ -325,5 +332,6 @@ def load_policy(run, args, devices: list[str], dtype: torch.dtype):
     model with LoRA adapters, fresh or, on resume, the checkpoint's (lora.py)."""
     if not args.lora_rank:
         return load_policy_model(run.weights, devices, dtype)
+    lora.check_against_config(args, AutoConfig.from_pretrained(resolve_model(run.start_model)))  # before the weights
     base = load_policy_model(run.start_model, devices, dtype)
     return lora.add_lora(base, args, run.checkpoint / lora.ADAPTER_DIR if run.state else None)

@@ -214,3 +214,17 @@ def test_lora_with_vllm_gets_the_merged_weights(tiny_model_dir, tmp_path, parity
         assert (got - expected).abs().max() <= 1e-3
     del made, engine
     gc.collect()
+
+
+def test_lora_targets_and_rank_are_checked_against_the_config_before_any_weight_loads(tiny_model_dir):
+    from transformers import AutoConfig
+    from alignment.args import RLArgs
+    from alignment.errors import UserError
+    from alignment.lora import check_against_config
+    config = AutoConfig.from_pretrained(tiny_model_dir)  # hidden 64, heads of 32, 1 KV head: k_proj is 64 x 32
+    check_against_config(RLArgs(lora_rank=8), config)
+    check_against_config(RLArgs(lora_rank=8, lora_target_modules="q_proj,v_proj"), config)
+    with pytest.raises(UserError, match="q_projj is not a linear layer of LlamaForCausalLM; its layers are down_proj"):
+        check_against_config(RLArgs(lora_rank=8, lora_target_modules="q_proj,q_projj"), config)  # one matches, one not
+    with pytest.raises(UserError, match="--lora_rank 32 is not below the width 32"):
+        check_against_config(RLArgs(lora_rank=32), config)

@@ -52,3 +52,12 @@ def test_precision_auto_follows_what_the_cpu_reports(monkeypatch):
     assert dtype == torch.float32 and autocast.device == "cpu" and autocast.fast_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="--precision 'half' is not one of auto, fp32, bf16"):
         models.resolve_precision("half", "cpu")
+
+
+def test_a_run_folder_without_a_checkpoint_is_not_taken_for_a_model(tmp_path):
+    import json
+    from alignment.errors import MissingFileError
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"output_dir": str(tmp_path / "run"), "script": "train_rl"}))
+    with pytest.raises(MissingFileError, match="is a run folder without a checkpoint yet"):
+        models.resolve_model(str(tmp_path / "run"))
