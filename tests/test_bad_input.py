@@ -269,3 +269,11 @@ def test_a_signal_to_the_process_group_under_uv_run_is_one_press(tiny_model_dir,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")][-1] == steps[-1] + 1
+
+
+def test_a_vllm_context_too_short_for_the_prompts_is_refused_before_the_engine_starts(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_rl, "pick_backend", lambda backend, device: "vllm")  # no engine is ever started
+    monkeypatch.setattr(train_rl, "load_models", lambda *a: pytest.fail("the engine would start"))
+    args = tiny_args(tiny_model_dir, tmp_path / "run", backend="vllm", vllm_max_model_len=40)
+    with pytest.raises(UserError, match="--vllm_max_model_len 40 cannot hold the longest prompt"):
+        train_rl.main(args)
