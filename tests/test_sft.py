@@ -135,6 +135,9 @@ def test_resume_continues_at_the_right_step(tiny_model_dir, data_dir, tmp_path, 
     steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
     assert steps == [1, 2, 3, 4]
+    with pytest.raises(FileNotFoundError, match="no such run folder"):
+        sft.main(tiny_args(tiny_model_dir, tmp_path / "empty", resume=str(tmp_path / "empty")))
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="has no trainer_state.pt"):
         sft.main(tiny_args(tiny_model_dir, tmp_path / "empty", resume=str(tmp_path / "empty")))
 

@@ -383,7 +383,8 @@ def test_user_errors_end_in_one_line(tiny_model_dir, tmp_path, monkeypatch, caps
     argv = [a.format(tmp=tmp_path) for a in argv]
     if "--model" not in argv:
         argv += ["--model", tiny_model_dir]
-    args = parse(RLArgs, argv + ["--output_dir", str(tmp_path / "run"), "--eval_every", "0"])
+    out = argv[argv.index("--resume") + 1] if "--resume" in argv else str(tmp_path / "run")  # a resume writes where it ran
+    args = parse(RLArgs, argv + ["--output_dir", out, "--eval_every", "0"])
     with pytest.raises(SystemExit) as exit_:
         cli(train_rl.main, args)
     err = capsys.readouterr().err
