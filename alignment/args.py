@@ -7,10 +7,12 @@ parsing, so a bad combination fails before any model is loaded. Booleans are `--
 
 import argparse
 import difflib
+import json
 import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from alignment.grpo import LOSS_TYPES
 
@@ -58,11 +60,25 @@ def parse(cls, argv=None):
     try:
         if unknown:
             raise ValueError(_unknown_flag(unknown, cls))
-        args = cls(**vars(namespace))
+        values = vars(namespace)
+        if values.get("resume"):  # flags left out are the run's own, from its checkpoint
+            given = {word[2:].split("=")[0] for word in argv if word.startswith("--")}
+            given |= {name[3:] for name in given if name.startswith("no_")}
+            values.update({k: v for k, v in _saved_flags(values["resume"]).items()
+                           if k in values and k not in given and k not in ("resume", "overwrite", "output_dir")})
+        args = cls(**values)
         args.check()  # check_values first, then the cross-field rules
     except ValueError as e:
         _fail(str(e))
     return args
+
+
+def _saved_flags(run_folder: str) -> dict:
+    """The flags a run was started with (its checkpoint's run_config.json), or {} where there is none yet."""
+    try:
+        return json.loads((Path(run_folder) / "checkpoint" / "run_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def build_parser(cls) -> argparse.ArgumentParser:
@@ -444,9 +460,9 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
         if self.rollout_mode == "tir" and self.prompt != "tir":
             raise ValueError("--rollout_mode tir needs --prompt tir (the prompt that tells the model it can run code).")
         if self.group_size_max > MAX_GROWTH * self.group_size:
-            raise ValueError(f"--group_size_max {self.group_size_max} would allow {-(-self.group_size_max // self.group_size) - 1} "
-                             f"growth rounds a step; at most {MAX_GROWTH * self.group_size} (32 x --group_size "
-                             f"{self.group_size}): a question the model never solves would be sampled that often.")
+            raise ValueError(f"--group_size_max {self.group_size_max} is above its bound {MAX_GROWTH * self.group_size} "
+                             f"(32 x --group_size {self.group_size}: at most {MAX_GROWTH - 1} growth rounds a step); a "
+                             f"question the model never solves would be sampled that often.")
         if self.group_size_max and self.group_size_max <= self.group_size:
             raise ValueError(f"--group_size_max {self.group_size_max} must be above --group_size {self.group_size} "
                              f"(adaptive groups), or 0 (fixed groups).")

@@ -135,7 +135,7 @@ class Run:
             raise KeyboardInterrupt(self._lost())
         self.signal, self.signal_time = signum, now
         tqdm.write(f"[run] {signal.Signals(signum).name}: stopping after this step, with a checkpoint "
-                   f"(press Ctrl-C again to stop at once, losing the step)")
+                   f"(a second Ctrl-C or SIGTERM, a second or more later, stops at once, losing the step)")
 
     def _lost(self) -> str:
         """What a stop at once leaves: the last checkpoint, or none."""

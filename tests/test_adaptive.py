@@ -154,7 +154,7 @@ def test_adaptive_groups_are_refused_where_they_cannot_work(capsys):
                           (["--group_size_max", "8", "--advantage_estimator", "gae"], "use grpo, rloo or"),
                           (["--group_size_max", "8", "--loss_type", "no_baseline"], "use grpo, rloo or"),
                           (["--group_size_max", "8", "--kl_coef", "0.1", "--kl_in_reward"], "drop --kl_in_reward"),
-                          (["--group_size_max", "1000000"], "at most 128 (32 x --group_size 4)")]:
+                          (["--group_size_max", "1000000"], "above its bound 128 (32 x --group_size 4")]:
         with pytest.raises(SystemExit):
             parse(RLArgs, argv)
         assert message in capsys.readouterr().err

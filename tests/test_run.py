@@ -147,3 +147,18 @@ def test_one_press_delivered_twice_is_one_and_no_message_claims_a_missing_checkp
     (run.checkpoint / "trainer_state.pt").write_bytes(b"")
     with pytest.raises(KeyboardInterrupt, match=f"the last checkpoint is kept: continue with --resume {tmp_path / 'run'}"):
         run._on_signal(signal.SIGINT, None)
+
+
+def test_resume_takes_the_flags_left_out_from_the_run_itself(tmp_path):
+    """`--resume DIR` alone continues the run with the flags it was started with (its run_config.json), as the
+    stop message says; flags given on the command line are kept (the step count; a changed one is refused later)."""
+    from alignment.args import RLArgs, parse
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    saved = {**RLArgs().__dict__, "group_size": 2, "rollout_batch_size": 4, "train_batch_size": 4,
+             "train_mini_batch_size": 2, "eval_before_train": False, "output_dir": "/elsewhere/run", "n_steps": 5}
+    (tmp_path / "run" / "checkpoint" / "run_config.json").write_text(json.dumps(saved))
+    args = parse(RLArgs, ["--resume", str(tmp_path / "run"), "--n-steps", "9"])
+    assert (args.group_size, args.rollout_batch_size, args.train_mini_batch_size) == (2, 4, 2)
+    assert args.n_steps == 9 and args.eval_before_train is False and args.output_dir is None  # the folder moved: fine
+    args = parse(RLArgs, ["--resume", str(tmp_path / "run"), "--eval_before_train"])
+    assert args.eval_before_train is True and args.n_steps == 5
