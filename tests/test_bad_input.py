@@ -277,3 +277,16 @@ def test_a_vllm_context_too_short_for_the_prompts_is_refused_before_the_engine_s
     args = tiny_args(tiny_model_dir, tmp_path / "run", backend="vllm", vllm_max_model_len=40)
     with pytest.raises(UserError, match="--vllm_max_model_len 40 cannot hold the longest prompt"):
         train_rl.main(args)
+
+
+def test_a_ctrl_c_while_a_script_starts_ends_in_one_line(tmp_path):
+    """`python -m alignment.<script>` interrupted while it still imports torch: one line, no traceback."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.argv = ['-m']; import alignment, os, signal, time; sys.argv = ['x']; "
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(10)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 130 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "interrupted outside a training step: nothing was saved now (checkpoints saved " \
+                                  "before are kept)."
