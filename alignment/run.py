@@ -195,7 +195,7 @@ def writable_folder(path) -> Path:
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
+        probe = path / WRITE_PROBE
         probe.write_text("")
         probe.unlink()
     except OSError as e:
@@ -205,10 +205,12 @@ def writable_folder(path) -> Path:
 
 def _holds_a_run(folder: Path) -> bool:
     """Anything but the config.json of a run that failed before its first step (nothing to lose there)."""
-    return folder.is_dir() and any(p.name not in ("config.json", LOCK_FILE) for p in folder.iterdir())
+    # not the lock, nor writable_folder's probe: under torchrun rank 0 makes both while the others look
+    return folder.is_dir() and any(p.name not in ("config.json", LOCK_FILE, WRITE_PROBE) for p in folder.iterdir())
 
 
 LOCK_FILE = ".lock"
+WRITE_PROBE = ".write-test"
 
 
 def _lock_folder(folder: Path):

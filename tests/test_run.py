@@ -162,3 +162,15 @@ def test_resume_takes_the_flags_left_out_from_the_run_itself(tmp_path):
     assert args.n_steps == 9 and args.eval_before_train is False and args.output_dir is None  # the folder moved: fine
     args = parse(RLArgs, ["--resume", str(tmp_path / "run"), "--eval_before_train"])
     assert args.eval_before_train is True and args.n_steps == 5
+
+
+def test_what_rank_0_makes_while_the_other_ranks_look_is_not_a_run(tmp_path):
+    """Under torchrun rank 0 creates the folder, its lock and writable_folder's probe file while the other
+    ranks check whether the folder already holds a run: none of those may read as a run (a race that failed
+    rank 1 of a 2-process run now and then)."""
+    from alignment.run import LOCK_FILE, WRITE_PROBE, _holds_a_run
+    for name in (LOCK_FILE, WRITE_PROBE, "config.json"):
+        (tmp_path / name).write_text("")
+    assert not _holds_a_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert _holds_a_run(tmp_path)
