@@ -124,6 +124,12 @@ def _mean(values) -> float:
 
 def main(args: EvalArgs) -> dict:
     device = models.resolve_device(args.device)
+    out = Path(args.output_dir or f"outputs/eval/{Path(args.model).name}-"
+               f"{re.sub(r'[^A-Za-z0-9._=-]+', '_', args.dataset)}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if (out / "summary.json").exists() or (out / "results.jsonl").exists():  # never replaced silently
+        raise UserError(f"{out} already holds evaluation results: choose another --output_dir (or leave it out for a "
+                        f"new dated folder), or delete that one.")
+    models.resolve_model(args.model)  # an unusable --model fails before anything is written
     rows = data.load_dataset(args.dataset, args.split, args.data_dir)
     limit = args.limit if args.limit is not None else (0 if device.startswith("cuda") else CPU_DEFAULT_LIMIT)
     subset = rows[:limit] if limit else rows
@@ -133,11 +139,7 @@ def main(args: EvalArgs) -> dict:
     print(f"[evaluate] {args.model} on {args.dataset} {args.split}: {len(subset)} of {len(rows)} problems{why}, "
           f"{args.prompt} prompt, {decoding}, n={args.n_samples}, max {args.max_tokens} tokens, {backend} on {device}, "
           f"precision {models.resolve_precision(args.precision, device)} ({args.precision})")
-    out = writable_folder(args.output_dir or f"outputs/eval/{Path(args.model).name}-"
-                          f"{re.sub(r'[^A-Za-z0-9._=-]+', '_', args.dataset)}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if (out / "summary.json").exists() or (out / "results.jsonl").exists():  # never replaced silently
-        raise UserError(f"{out} already holds evaluation results: choose another --output_dir (or leave it out for a "
-                        f"new dated folder), or delete that one.")
+    writable_folder(out)  # an output path that cannot be written fails now, not after the work
     torch.manual_seed(args.seed)
     tokenizer = models.load_tokenizer(args.model)
     model = models.load_model(args.model, device, models.default_dtype(device, args.precision)) if backend == "hf" else None
