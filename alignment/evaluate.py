@@ -48,6 +48,18 @@ def build_prompts(tokenizer, rows, prompt_name: str, chat_template: bool = False
     return texts, ids
 
 
+def check_context(max_model_len: int | None, tokenizer, rows, prompt_name: str, chat_template: bool,
+                  max_tokens: int):
+    """The longest prompt plus `max_tokens` must fit a vLLM engine's --vllm_max_model_len: checked before the
+    engine's minute-long start (vLLM's own error comes only after it)."""
+    if not max_model_len or not rows:
+        return
+    longest = max(len(ids) for ids in build_prompts(tokenizer, rows, prompt_name, chat_template)[1])
+    if longest + max_tokens > max_model_len:
+        raise UserError(f"--vllm_max_model_len {max_model_len} cannot hold the longest prompt ({longest} tokens) and "
+                        f"an answer of up to {max_tokens}: raise it to at least {longest + max_tokens}.")
+
+
 def extract_answer(response: str, prompt_name: str) -> str | None:
     """The answer a completion commits to, for majority voting (same rules as the reward functions)."""
     if prompt_name == "r1_zero":
@@ -142,6 +154,8 @@ def main(args: EvalArgs) -> dict:
     writable_folder(out)  # an output path that cannot be written fails now, not after the work
     torch.manual_seed(args.seed)
     tokenizer = models.load_tokenizer(args.model)
+    if backend == "vllm":
+        check_context(args.vllm_max_model_len, tokenizer, subset, args.prompt, args.chat_template, args.max_tokens)
     model = models.load_model(args.model, device, models.default_dtype(device, args.precision)) if backend == "hf" else None
     sampler = make_sampler(backend, model, tokenizer, models.resolve_model(args.model), device,
                            batch_size=args.batch_size, seed=args.seed, progress=True, **args.vllm_options())

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from alignment import distributed, models
 from alignment.args import EIArgs, parse
 from alignment.errors import UserError, cli
-from alignment.evaluate import evaluate
+from alignment.evaluate import check_context, evaluate
 from alignment.experience import collect_rollouts
 from alignment.run import Run
 from alignment.sampling import SamplingParams, WeightPush, derive_seed, make_sampler, pick_backend
@@ -95,10 +95,13 @@ def main(args: EIArgs) -> dict:
     device = roles["policy"][0]
     dtype, autocast = models.train_precision(device, args.precision)
     tokenizer = models.load_tokenizer(run.weights)
+    backend = pick_backend(args.backend, device)
+    if backend == "vllm":  # before the weights and the engine's minute-long start
+        check_context(args.vllm_max_model_len, tokenizer, train_rows + eval_rows, args.prompt, args.chat_template,
+                      max(args.sampling_max_tokens, args.eval_max_tokens))
     model = models.load_policy_model(run.weights, roles["policy"], dtype)
     if device.startswith("cuda"):
         model.gradient_checkpointing_enable()
-    backend = pick_backend(args.backend, device)
     sampler = make_sampler(backend, model, tokenizer, models.resolve_model(run.weights), device,
                            batch_size=args.sample_batch_size, seed=args.seed, **args.vllm_options())
     push = WeightPush(model)

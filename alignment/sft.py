@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from alignment import data, distributed, lora, models
 from alignment.args import SFTArgs, parse
 from alignment.errors import MissingFileError, UserError, cli
-from alignment.evaluate import evaluate
+from alignment.evaluate import check_context, evaluate
 from alignment.grpo import sft_microbatch_train_step
 from alignment.run import Run
 from alignment.sampling import SamplingParams, WeightPush, make_sampler, pick_backend
@@ -137,6 +137,8 @@ def main(args: SFTArgs) -> dict:
     # torchrun). fp32 master weights; on GPU the forward runs in bf16 with gradient checkpointing.
     roles = {"policy": [device]} if device else models.assign_device_roles(models.available_devices())
     input_device = roles["policy"][0]
+    if not device and pick_backend(args.backend, input_device) == "vllm":  # before the weights and the engine
+        check_context(args.vllm_max_model_len, tokenizer, eval_rows, "r1_zero", False, args.eval_max_tokens)
     dtype, autocast = models.train_precision(input_device, args.precision)
     model = models.load_policy(run, args, roles["policy"], dtype)  # with --lora_rank: adapters on the start model
     if input_device.startswith("cuda"):

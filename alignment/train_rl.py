@@ -35,7 +35,7 @@ from alignment.args import RLArgs, parse
 from alignment.async_rollouts import RolloutSource
 from alignment.errors import UserError, cli
 from alignment.estimators import compute_rollout_is_weights, compute_value_loss
-from alignment.evaluate import PROMPT_SETTINGS, evaluate
+from alignment.evaluate import PROMPT_SETTINGS, check_context, evaluate
 from alignment.experience import Experience, build_experience, collect_rollouts
 from alignment.grpo import policy_microbatch_train_step, weighted_sum
 from alignment.run import Run
@@ -128,8 +128,9 @@ def main(args: RLArgs) -> dict:
     random.seed(args.seed)
     # Data first: a bad dataset or file fails before a minute of model loading.
     train_rows, eval_rows, eval_name = load_questions(args, run.say)
-    if backend == "vllm" and args.vllm_max_model_len:  # before the engine's minute-long start
-        _check_context(args, models.load_tokenizer(run.weights), train_rows + eval_rows)
+    if backend == "vllm":
+        check_context(args.vllm_max_model_len, models.load_tokenizer(run.weights), train_rows + eval_rows, args.prompt,
+                      args.chat_template, max(args.sampling_max_tokens, args.eval_max_tokens))
     m = load_models(args, run, roles, device, backend)
     reference = ("the policy with its adapters off (no second copy)" if m.reference is m.policy else
                  f"{run.start_model} on {roles['reference']}" if m.reference is not None else "none (--kl_coef 0)")
@@ -232,17 +233,6 @@ def _refuse_under_torchrun(args: RLArgs, device: str):
     if questions % world:
         raise UserError(f"under torchrun a step's {questions} questions are split over {world} ranks in whole "
                         f"groups: make --rollout_batch_size / --group_size a multiple of {world}.")
-
-
-def _check_context(args: RLArgs, tokenizer, rows: list[dict]):
-    """The longest prompt plus --sampling_max_tokens must fit the engine's --vllm_max_model_len."""
-    from alignment.evaluate import build_prompts
-    longest = max(len(ids) for ids in build_prompts(tokenizer, rows, args.prompt, args.chat_template)[1])
-    need = longest + max(args.sampling_max_tokens, args.eval_max_tokens)
-    if need > args.vllm_max_model_len:
-        raise UserError(f"--vllm_max_model_len {args.vllm_max_model_len} cannot hold the longest prompt ({longest} "
-                        f"tokens) and an answer of up to {max(args.sampling_max_tokens, args.eval_max_tokens)}: raise "
-                        f"it to at least {need}.")
 
 
 def start_model(args) -> str | None:

@@ -271,12 +271,24 @@ def test_a_signal_to_the_process_group_under_uv_run_is_one_press(tiny_model_dir,
     assert [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")][-1] == steps[-1] + 1
 
 
-def test_a_vllm_context_too_short_for_the_prompts_is_refused_before_the_engine_starts(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(train_rl, "pick_backend", lambda backend, device: "vllm")  # no engine is ever started
-    monkeypatch.setattr(train_rl, "load_models", lambda *a: pytest.fail("the engine would start"))
-    args = tiny_args(tiny_model_dir, tmp_path / "run", backend="vllm", vllm_max_model_len=40)
+@pytest.mark.parametrize("script", ["train_rl", "sft", "expert_iteration", "evaluate"])
+def test_a_vllm_context_too_short_for_the_prompts_is_refused_before_weights_load(script, tiny_model_dir, tmp_path,
+                                                                                 data_dir, monkeypatch):
+    from alignment import expert_iteration
+    from tests.test_expert_iteration import tiny_args as tiny_ei_args
+    module = {"train_rl": train_rl, "sft": sft, "expert_iteration": expert_iteration, "evaluate": evaluate}[script]
+    monkeypatch.setattr(module, "pick_backend", lambda backend, device: "vllm")  # no engine is ever started
+    for name in ("load_model", "load_policy", "load_policy_model"):
+        monkeypatch.setattr(models, name, lambda *a, **k: pytest.fail("weights would load"))
+    monkeypatch.setattr(module, "make_sampler", lambda *a, **k: pytest.fail("the engine would start"))
+    args = {"train_rl": lambda: tiny_args(tiny_model_dir, tmp_path / "run", backend="vllm", vllm_max_model_len=40),
+            "sft": lambda: tiny_sft_args(tiny_model_dir, tmp_path / "run", backend="vllm", vllm_max_model_len=40),
+            "expert_iteration": lambda: tiny_ei_args(tiny_model_dir, tmp_path / "run", backend="vllm",
+                                                     vllm_max_model_len=40),
+            "evaluate": lambda: EvalArgs(model=tiny_model_dir, limit=2, output_dir=str(tmp_path / "run"),
+                                         backend="vllm", vllm_max_model_len=40, data_dir=data_dir)}[script]()
     with pytest.raises(UserError, match="--vllm_max_model_len 40 cannot hold the longest prompt"):
-        train_rl.main(args)
+        module.main(args)
 
 
 def test_a_ctrl_c_while_a_script_starts_ends_in_one_line(tmp_path):
