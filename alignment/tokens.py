@@ -12,6 +12,7 @@ logsumexp, and entropy is computed over chunks of positions.
 import torch
 
 from alignment.errors import UserError
+from alignment.head import fused_log_probs
 
 ENTROPY_CHUNK_POSITIONS = 1024  # positions per entropy chunk: 1024 x 152k vocab x 4 bytes = 0.6 GB
 
@@ -59,6 +60,10 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
 
     `temperature` T: the distribution is softmax(logits / T), the one a sampler at temperature T draws
     from. RL must score samples under the distribution that produced them (see `rollout_log_probs`)."""
+    if _fused_scale(model) is not None:  # the head and log-softmax fused: no (B, T, V) tensor (alignment/head.py)
+        hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state  # (B, T, d)
+        log_probs, entropy = head_log_probs(model, hidden, labels, temperature, return_token_entropy)
+        return {"log_probs": log_probs, **({"token_entropy": entropy} if return_token_entropy else {})}
     # float32 so that log-ratios against old log-probs are not bf16 noise; the bf16 logits are freed
     # right away (autograd does not keep them), so one vocab-sized tensor stays alive.
     logits = _tempered(model(input_ids).logits, temperature)  # (B, T, V)
@@ -68,6 +73,25 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
         with torch.no_grad():
             result["token_entropy"] = compute_entropy(logits.detach())
     return result
+
+
+def head_log_probs(model, hidden: torch.Tensor, labels: torch.Tensor, temperature: float,
+                   return_token_entropy: bool = False, entropy_grad: bool = False):
+    """log pi(label) at each of the decoder's last hidden states (..., d), and the entropy of pi there (None
+    unless asked; without gradient unless `entropy_grad`), both fp32 of labels' shape; pi = softmax(logits /
+    temperature) with the model's own post-head step. Fused with the head where the head is a plain linear
+    layer (alignment/head.py), else through the (..., V) logits."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to score samples, got {temperature}")
+    scale = _fused_scale(model)
+    if scale is not None:
+        log_probs, entropy = fused_log_probs(hidden, model.get_output_embeddings().weight, labels,
+                                             scale / temperature, with_entropy=return_token_entropy)
+        return log_probs, (entropy if entropy_grad else entropy.detach()) if return_token_entropy else None
+    logits = _tempered(output_logits(model, hidden), temperature)  # (..., V)
+    log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    entropy = compute_entropy(logits if entropy_grad else logits.detach()) if return_token_entropy else None
+    return log_probs, entropy
 
 
 def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]],
@@ -112,13 +136,14 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
             positions = torch.arange(len(prompt), len(prompt) + width - 1, device=device).expand(len(group), -1)
             rest = decoder(input_ids=ids[:, :-1], position_ids=positions, past_key_values=cache, use_cache=True)
             hidden = torch.cat([hidden, rest.last_hidden_state], dim=1)  # (G, T, d)
-        logits = _tempered(output_logits(model, hidden), temperature)  # (G, T, V): response positions only
-        log_probs = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-        entropy = compute_entropy(logits if entropy_grad else logits.detach()) if return_token_entropy else None
-        for i, (row, response) in enumerate(zip(rows, group)):
-            row_log_probs[row] = log_probs[i, :len(response)]
-            if entropy is not None:
-                row_entropy[row] = entropy[i, :len(response)]
+        lengths = [len(r) for r in group]
+        real = torch.arange(width, device=device) < torch.tensor(lengths, device=device)[:, None]  # (G, T)
+        log_probs, entropy = head_log_probs(model, hidden[real], ids[real], temperature, return_token_entropy,
+                                            entropy_grad)  # (n,): the real response positions only, row by row
+        for row, piece in zip(rows, log_probs.split(lengths)):
+            row_log_probs[row] = piece
+        for row, piece in zip(rows, entropy.split(lengths) if entropy is not None else ()):
+            row_entropy[row] = piece
     pad = torch.nn.utils.rnn.pad_sequence
     result = {"log_probs": pad(row_log_probs, batch_first=True)}
     if return_token_entropy:
@@ -131,17 +156,34 @@ def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     forward does after it (transformers 5: Gemma-2/3's final-logit softcapping, Cohere's logit_scale,
     Granite's logits_scaling), so the shared-prompt path scores the distribution the sampler draws from.
     `check_output_head` verifies this against the model's forward when a policy is loaded."""
+    scale, cap = _post_head(model)
     logits = model.get_output_embeddings()(hidden)
-    config = getattr(model.config, "text_config", None) or model.config
-    scale = getattr(model, "logit_scale", None) or getattr(config, "logit_scale", None)
-    if scale is not None and not isinstance(scale, torch.nn.Module):  # Cohere
+    if scale != 1.0:
         logits = logits * scale
-    if getattr(config, "logits_scaling", None):  # Granite
-        logits = logits / config.logits_scaling
-    cap = getattr(config, "final_logit_softcapping", None)
     if cap:  # Gemma-2/3
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+def _post_head(model) -> tuple[float, float | None]:
+    """The model's forward after its head: a factor on the logits, then a softcap (None: none)."""
+    config = getattr(model.config, "text_config", None) or model.config
+    scale = getattr(model, "logit_scale", None) or getattr(config, "logit_scale", None)
+    factor = scale if scale is not None and not isinstance(scale, torch.nn.Module) else 1.0  # Cohere
+    if getattr(config, "logits_scaling", None):  # Granite
+        factor = factor / config.logits_scaling
+    return float(factor), getattr(config, "final_logit_softcapping", None)
+
+
+def _fused_scale(model) -> float | None:
+    """The logits' factor when the head can be fused with the log-softmax (a bias-free linear head, no
+    softcap, not FSDP-sharded: a sharded root gathers its head only when called itself), else None."""
+    from torch.distributed.fsdp import FSDPModule
+    head = model.get_output_embeddings()
+    scale, cap = _post_head(model)
+    if type(head) is not torch.nn.Linear or head.bias is not None or cap or isinstance(model, FSDPModule):
+        return None
+    return scale
 
 
 @torch.no_grad()

@@ -1,0 +1,96 @@
+"""The output head and the log-softmax fused: log pi(label) and the entropy of each position's next-token
+distribution, computed straight from the decoder's hidden states in chunks of positions.
+
+The plain path (`tokens.py`) builds the (N, V) fp32 logits, then a logsumexp, a gather and the entropy's
+softmax over them, and backward adds a vocab-sized zero tensor for the gather, the softmax of the
+logsumexp and their sum: about ten passes over N x V floats (8 answers x 128 tokens x 49,152 = 200 MB
+each), at memory speed. Here one chunk of positions at a time goes through the head, and only the
+per-position results survive: N floats each. Backward recomputes the chunk's logits from the saved
+hidden states (one more head matmul, the price of never storing N x V; the "fused linear cross-entropy"
+of Liger-Kernel and Apple's Cut Cross-Entropy, here in plain torch so it runs on every device).
+
+Maths, per position with logits z = scale * (h @ W^T) (scale = 1 / temperature, times a model's own
+logit scale), lse = logsumexp(z), p = softmax(z), log p = z - lse:
+  log_prob = z[label] - lse                    d/dz = onehot(label) - p
+  entropy  = lse - sum_j p_j z_j = -sum p log p d/dz = -p * (log p + entropy)
+Under autocast the head's matmuls run in the autocast dtype with fp32 outputs kept for everything after
+them, as `model(...).logits.float()` would; the log-softmax, entropy and their gradients are fp32.
+"""
+
+import torch
+
+CHUNK_POSITIONS = 128  # positions per chunk: 128 x 49,152 vocab x 4 bytes = 25 MB of fp32 logits at a time
+
+
+class FusedHeadLogProbs(torch.autograd.Function):
+    """(hidden (N, d), weight (V, d), labels (N,)) -> (log_probs (N,), entropy (N,)), fp32. The entropy's
+    gradient flows only when the caller uses it (an entropy bonus); unused, it costs nothing in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, scale: float, compute_dtype, chunk: int, with_entropy: bool):
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute_dtype)  # (V, d): one cast per call, as autocast's weight cache does
+            log_probs, entropy, log_norm = (hidden.new_zeros(len(hidden), dtype=torch.float32) for _ in range(3))
+            for start in range(0, len(hidden), chunk):
+                rows = slice(start, start + chunk)
+                z = _logits(hidden[rows], w, scale)  # (n, V) fp32
+                log_norm[rows] = torch.logsumexp(z, dim=-1)
+                log_p = z.sub_(log_norm[rows, None])  # in place: log p
+                log_probs[rows] = log_p.gather(1, labels[rows, None]).squeeze(1)
+                if with_entropy:
+                    entropy[rows] = -torch.linalg.vecdot(torch.exp(log_p), log_p)
+        ctx.save_for_backward(hidden, weight, labels, log_norm, entropy)
+        ctx.scale, ctx.compute_dtype, ctx.chunk = scale, compute_dtype, chunk
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, labels, log_norm, entropy = ctx.saved_tensors
+        if grad_log_probs is None and grad_entropy is None:
+            return (None,) * 7
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(ctx.compute_dtype)
+            grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+            for start in range(0, len(hidden), ctx.chunk):
+                rows = slice(start, start + ctx.chunk)
+                log_p = _logits(hidden[rows], w, ctx.scale).sub_(log_norm[rows, None])  # (n, V) log p
+                p = torch.exp(log_p)
+                # grad_z = -p * (g_logp + g_H * (log p + H)) + g_logp * onehot(label), built in place in log_p
+                if grad_entropy is not None:
+                    grad_z = log_p.add_(entropy[rows, None]).mul_(grad_entropy[rows, None])
+                    if grad_log_probs is not None:
+                        grad_z.add_(grad_log_probs[rows, None])
+                    grad_z.mul_(p).neg_()
+                else:
+                    grad_z = p.mul_(-grad_log_probs[rows, None])
+                if grad_log_probs is not None:
+                    grad_z.scatter_add_(1, labels[rows, None], grad_log_probs[rows, None].float())
+                grad_z = grad_z.mul_(ctx.scale).to(ctx.compute_dtype)  # d/d(h @ W^T)
+                if grad_hidden is not None:
+                    grad_hidden[rows] = grad_z @ w
+                if grad_weight is not None:
+                    grad_weight += grad_z.T @ hidden[rows].to(ctx.compute_dtype)
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+    z = (hidden.to(weight.dtype) @ weight.T).float()  # (n, V)
+    return z if scale == 1.0 else z.mul_(scale)
+
+
+def fused_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float = 1.0,
+                    with_entropy: bool = False, chunk: int = CHUNK_POSITIONS) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(scale * hidden @ weight^T)[label] and (`with_entropy`, else zeros) the entropy of that
+    softmax, for hidden (..., d) and labels (...): two fp32 tensors of labels' shape. The matmuls run in the autocast dtype where autocast is
+    on (as the head would), else in the hidden states' dtype."""
+    device = hidden.device.type
+    compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    log_probs, entropy = FusedHeadLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                                 labels.reshape(-1), scale, compute_dtype, chunk,
+                                                 with_entropy)
+    return log_probs.view(labels.shape), entropy.view(labels.shape)
