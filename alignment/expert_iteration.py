@@ -67,7 +67,7 @@ def fine_tune(model, tokenizer, examples: list[dict], args: EIArgs, step: int, d
     steps_per_epoch = math.ceil(len(examples) / args.batch_size)
     total_steps = steps_per_epoch * args.sft_epochs
     warmup_steps = max(1, round(args.warmup_ratio * total_steps))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = models.adamw(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps))
     order_seed = derive_seed(args.seed, step, "sft")  # this EI step's own data order
     model.train()

@@ -101,6 +101,16 @@ def train_precision(device: str | torch.device, precision: str = "auto", bf16_we
     return dtype, autocast
 
 
+def adamw(params, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.AdamW:
+    """torch's AdamW, with its fused kernel where every parameter is a plain CPU or CUDA tensor: the same update
+    in one pass over each tensor instead of a dozen elementwise ops (the default on CPU loops over tensors; 8x
+    faster for SmolLM2-135M on 2 cores). FSDP2's sharded parameters (DTensors) keep torch's default."""
+    from torch.distributed.tensor import DTensor
+    params = list(params)
+    fused = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused or None)
+
+
 def is_model_folder(path) -> bool:
     """An HF-format model folder, or a run folder with a checkpoint (what `resolve_model` accepts as local)."""
     return any((Path(path) / sub / "config.json").exists() for sub in ("checkpoint", "."))

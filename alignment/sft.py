@@ -148,7 +148,7 @@ def main(args: SFTArgs) -> dict:
     model.train()
     sampler = _eval_sampler(args, run, model, tokenizer, device, input_device)
     push = WeightPush(model)
-    optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = models.adamw(lora.trainable_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps))
     state = run.restore(model, optimizer)
     if state:

@@ -268,15 +268,15 @@ def load_models(args: RLArgs, run: Run, roles: dict, device: str, backend: str) 
     reference = (policy if lora.is_lora(policy) else copy(run.start_model, "reference")) if args.kl_coef > 0 else None
     eval_sampler = sampler if roles["eval"] == roles["sample"] else HFSampler(
         policy if roles["eval"] in roles["policy"] else copy(run.weights, "eval"), tokenizer)
-    optimizer = torch.optim.AdamW(lora.trainable_parameters(policy), lr=args.learning_rate,
-                                  weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    optimizer = models.adamw(lora.trainable_parameters(policy), lr=args.learning_rate,
+                             weight_decay=args.weight_decay, betas=(0.9, 0.95))
     critic = critic_optimizer = None
     if args.advantage_estimator == "gae":
         critic = models.load_critic(str(run.checkpoint / "critic") if run.state else args.critic_model or run.start_model,
                                     roles["critic"], models.train_precision(roles["critic"], args.precision,
                                                                             args.bf16_weights)[0])
-        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate,
-                                             weight_decay=args.weight_decay, betas=(0.9, 0.95))
+        critic_optimizer = models.adamw(critic.parameters(), lr=args.critic_learning_rate,
+                                        weight_decay=args.weight_decay, betas=(0.9, 0.95))
     return Models(tokenizer, policy, optimizer, sampler, eval_sampler, reference, critic, critic_optimizer, autocast)
 
 
