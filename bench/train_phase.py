@@ -1,0 +1,137 @@
+"""The train phase of one RL step, lever by lever, against its floor: seconds, share of the floor, peak RSS.
+
+    uv run python bench/train_phase.py                         # every variant, 3 timed steps each
+    uv run python bench/train_phase.py --variants plain,default --precision bf16
+    uv run python bench/train_phase.py --variants default --profile     # where the time goes (torch profiler)
+
+One step is what `train_rl` does with a rollout batch on-policy (`bench/rl_step.py`'s setting): 16 responses
+of 128 tokens to one GSM8K prompt (r1_zero), two microbatches of 8 through `tokens.rollout_log_probs` (with
+entropy) and `grpo.policy_microbatch_train_step` (GRPO-clip), then one AdamW step. The responses are random
+tokens, the advantages random: the work, not the learning, is measured. Each variant runs in a fresh process
+(its peak RSS is its own), on the same model, data and threads:
+
+  plain         the full-vocabulary logits and torch's default (per-tensor) AdamW: the code before the levers
+  fused_head    the output head fused with the log-softmax and entropy (alignment/head.py)
+  default       fused head and fused AdamW (models.adamw): what the scripts run today
+
+The floor is 6 N FLOPs per token (N parameters, the tied head included) over the prompt once and every
+response token, at this CPU's matmul rate in the run's precision, measured in the same run (the same
+2048x576 by 576x1536 matmul as bench/rl_step.py). The CPU's reported bf16/AVX flags are printed beside it.
+"""
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # bench/ is not a package: its scripts share code through the project root
+
+from alignment import data, grpo, models, tokens  # noqa: E402
+from alignment.evaluate import build_prompts  # noqa: E402
+from bench.rl_step import matmul_peak  # noqa: E402
+VARIANTS = ("plain", "fused_head", "default")
+
+
+def cpu_flags() -> str:
+    """The matmul-relevant flags this CPU reports (what --precision auto decides from)."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return " ".join(shown) or "none of avx2/avx512/amx"
+
+
+def run_variant(args, variant: str) -> dict:
+    """One variant in this process: the timed steps' seconds and this process's peak RSS."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    if variant == "plain":
+        tokens._fused_scale = lambda model: None  # the full-logits path
+    model = models.load_model(args.model)
+    model.train()
+    _, autocast = models.train_precision("cpu", args.precision)
+    adamw = (torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95)) if variant != "default" else
+             models.adamw(model.parameters(), lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95)))
+    tokenizer = models.load_tokenizer(args.model)
+    row = data.load_gsm8k("test", args.data_dir)[0]
+    [prompt] = build_prompts(tokenizer, [row], "r1_zero")[1]
+    generator = torch.Generator().manual_seed(0)
+    responses = torch.randint(0, len(tokenizer), (args.rows, args.max_tokens), generator=generator).tolist()
+    advantages = torch.randn(args.rows, 1, generator=generator)
+    times = []
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
+    for step in range(args.steps + 1):  # step 0 is a warm-up
+        if step == 1 and profiler:
+            profiler.start()
+        start = time.perf_counter()
+        for rows in range(0, args.rows, args.microbatch):
+            part = slice(rows, rows + args.microbatch)
+            with autocast:
+                out = tokens.rollout_log_probs(model, [prompt] * args.microbatch, responses[part],
+                                               return_token_entropy=True)
+                mask = torch.ones_like(out["log_probs"])
+                grpo.policy_microbatch_train_step(out["log_probs"], mask, torch.full((args.microbatch,), 1 / args.rows),
+                                                  advantages[part], out["log_probs"].detach(), loss_type="grpo_clip",
+                                                  cliprange=0.2, token_entropy=out["token_entropy"])
+        adamw.step()
+        adamw.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    if profiler:
+        profiler.stop()
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile), file=sys.stderr)
+    return {"variant": variant, "seconds": times[1:], "prompt_tokens": len(prompt),
+            "n_params": sum(p.numel() for p in model.parameters()),
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
+    parser.add_argument("--model", default="smollm2-135m", help="HF folder or packaged name")
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (after one warm-up step)")
+    parser.add_argument("--rows", type=int, default=16, help="responses per step (one group, one prompt)")
+    parser.add_argument("--microbatch", type=int, default=8, help="rows per forward/backward")
+    parser.add_argument("--max_tokens", type=int, default=128, help="tokens per response")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest ops of each variant")
+    parser.add_argument("--data_dir", default=str(ROOT.parent / "shared" / "data"))
+    parser.add_argument("--_one", help=argparse.SUPPRESS)  # internal: run one variant, print its JSON
+    args = parser.parse_args()
+    if args._one:
+        print(json.dumps(run_variant(args, args._one)))
+        return
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        parser.error(f"unknown variant(s) {', '.join(sorted(unknown))}: choose from {', '.join(VARIANTS)}")
+    if args.rows % args.microbatch:
+        parser.error(f"--rows {args.rows} must be a multiple of --microbatch {args.microbatch}")
+    models.resolve_model(args.model)
+    torch.set_num_threads(args.threads)
+    precision = models.resolve_precision(args.precision, "cpu")
+    peak = matmul_peak(torch.bfloat16 if precision == "bf16" else torch.float32)
+    print(f"[bench] CPU flags: {cpu_flags()}; {args.threads} threads; precision {precision} ({args.precision}); "
+          f"matmul peak {peak / 1e9:.0f} GFLOP/s in {precision}; torch {torch.__version__}", flush=True)
+    print(f"{'variant':12} {'s/step':>7} {'floor s':>8} {'reached':>8} {'peak RSS GiB':>13}", flush=True)
+    for variant in variants:
+        flags = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("variants", "_one")]
+        done = subprocess.run([sys.executable, __file__, *flags, f"--_one={variant}"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"variant {variant} failed:\n{done.stderr[-3000:]}")
+        if args.profile:
+            print(done.stderr, file=sys.stderr)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        seconds = statistics.median(result["seconds"])
+        floor = 6 * result["n_params"] * (result["prompt_tokens"] + args.rows * args.max_tokens) / peak
+        print(f"{variant:12} {seconds:7.2f} {floor:8.2f} {floor / seconds:8.1%} {result['peak_rss_gib']:13.2f}"
+              f"   (steps: {', '.join(f'{s:.2f}' for s in result['seconds'])})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
