@@ -30,8 +30,21 @@ def resolve_data_dir(data_dir: str | None = None) -> Path:
     return Path(data_dir or os.environ.get("ALIGNMENT_DATA_DIR") or REPO_ROOT / "dataset")
 
 
-def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
-    """Read a JSONL file, failing with one sentence that names the file and line of a bad row."""
+GSM8K_AGAIN = "delete it and run `uv run -m alignment.data download gsm8k` again"
+
+
+def read_jsonl(path: Path, required: tuple[str, ...], text: tuple[str, ...] | None = None,
+               remedy: str | None = None) -> list[dict]:
+    """Read a JSONL file of objects with the `required` fields (the `text` ones, default all, strings), failing
+    with one sentence that names the file and line of a bad row. `remedy` says what to do about a bad file: by
+    default (a file of the user's, e.g. sft's --train_file) fix it; the dataset loaders pass their own."""
+    path, text = Path(path), required if text is None else text
+    remedy = remedy or f"fix the file: each line must be one JSON object with {', '.join(required)}"
+    if path.is_dir():
+        raise UserError(f"{path} is a folder, not a file; pass the JSONL file itself.")
+    _folder(path.parent, "check the path")  # a file in the way is named as such, not reported as missing
+    if not path.exists():
+        raise MissingFileError(f"{path} does not exist; check the path.")
     rows = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -40,21 +53,38 @@ def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{line_no} is not valid JSON ({e.msg}); fix or delete the file "
-                                 f"and run `uv run -m alignment.data download gsm8k` again.") from None
-            missing = [key for key in required if key not in row] if isinstance(row, dict) else required
+                raise UserError(f"{path}:{line_no} is not valid JSON ({e.msg}); {remedy}.") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{line_no} is not a JSON object ({line.strip()[:40]}); {remedy}.")
+            missing = [key for key in required if key not in row]
             if missing:
-                raise UserError(f"{path}:{line_no} lacks field(s) {', '.join(missing)}; each line must be "
-                                 f"a JSON object with {', '.join(required)}.")
+                raise UserError(f"{path}:{line_no} lacks field(s) {', '.join(missing)}; {remedy}.")
+            wrong = [f"{key} is {json.dumps(row[key])[:20]}" for key in text if not isinstance(row[key], str)]
+            if wrong:
+                raise UserError(f"{path}:{line_no}: {' and '.join(text)} must be strings ({', '.join(wrong)}); "
+                                f"{remedy}.")
             rows.append(row)
     if not rows:
-        raise UserError(f"{path} holds no rows; delete it and download or copy the data again.")
+        raise UserError(f"{path} holds no rows; {remedy}.")
     return rows
+
+
+DATA_DIR_AGAIN = "move it away, or point --data_dir / ALIGNMENT_DATA_DIR at another folder"
+
+
+def _folder(path: Path, remedy: str = DATA_DIR_AGAIN) -> Path:
+    """`path`, refused in one line where it or a folder above it is a file (not reported as missing)."""
+    for part in (path, *path.parents):
+        if part.is_dir():
+            break
+        if part.exists():
+            raise UserError(f"{part} is a file where a folder is expected ({path}); {remedy}.")
+    return path
 
 
 def download_gsm8k(data_dir: str | Path | None = None, base_url: str | None = None) -> Path:
     """Fetch GSM8K train/test from the official repository into <data_dir>/gsm8k/."""
-    out = resolve_data_dir(data_dir) / "gsm8k"
+    out = _folder(resolve_data_dir(data_dir) / "gsm8k")
     out.mkdir(parents=True, exist_ok=True)
     base_url = base_url or os.environ.get("ALIGNMENT_GSM8K_URL", GSM8K_URL)
     for split in ("train", "test"):
@@ -79,18 +109,19 @@ def load_gsm8k(split: str = "test", data_dir: str | None = None) -> list[dict]:
     path = resolve_data_dir(data_dir) / "gsm8k" / f"{split}.jsonl"
     if not path.exists():
         download_gsm8k(data_dir)
-    rows = read_jsonl(path, ("question", "answer"))
+    rows = read_jsonl(path, ("question", "answer"), remedy=GSM8K_AGAIN)
     return [{"question": r["question"], "answer": extract_gsm8k_answer(r["answer"]), "solution": r["answer"]}
             for r in rows]
 
 
 def load_math_style(name: str, data_dir: str | None = None) -> list[dict]:
-    path = resolve_data_dir(data_dir) / name / "test.jsonl"
+    path = _folder(resolve_data_dir(data_dir) / name) / "test.jsonl"
     if not path.exists():
         raise MissingFileError(f"{path} is missing; copy the {name} test.jsonl (fields problem, answer) "
                                 f"there or point --data_dir / ALIGNMENT_DATA_DIR at a folder that has it.")
     return [{**r, "question": r["problem"], "answer": str(r["answer"])}
-            for r in read_jsonl(path, ("problem", "answer"))]
+            for r in read_jsonl(path, ("problem", "answer"), text=("problem",),  # a copied set's answers may be numbers
+                                remedy=f"copy the {name} test.jsonl (fields problem, answer) there again")]
 
 
 def load_reasoning_gym(spec: str, size: int, seed: int) -> list[dict]:

@@ -8,6 +8,7 @@ Panels: reward (training rollouts and evaluation), format and answer rates, resp
 """
 
 import argparse
+import json
 from pathlib import Path
 
 from alignment.errors import MissingFileError, UserError, cli
@@ -37,19 +38,19 @@ def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
     import matplotlib.pyplot as plt
 
     run_dirs = [Path(run_dirs)] if isinstance(run_dirs, (str, Path)) else [Path(r) for r in run_dirs]
+    distinct = {}  # `rl1` and `rl1/` are one run: drawn once, not twice under one label
+    for run_dir in run_dirs:
+        distinct.setdefault(run_dir.resolve(), run_dir)
+    if len(distinct) < len(run_dirs):
+        print(f"[plot] {len(run_dirs) - len(distinct)} run folder(s) given more than once; drawn once")
+        run_dirs = list(distinct.values())
     runs = []
     for run_dir, name in zip(run_dirs, run_labels(run_dirs)):
-        path = run_dir / "metrics.jsonl"
-        if not path.exists():
-            raise MissingFileError(f"{path} does not exist; pass a run folder written by alignment.train_rl, "
-                                   f"alignment.expert_iteration or alignment.sft.")
-        runs.append((name, read_jsonl(path)))
+        runs.append((name, read_metrics(run_dir)))
     drawable = {key for _, series in PANELS for key, _ in series}
     for (name, records), run_dir in zip(runs, run_dirs):
         if not any(r.get(key) is not None and r.get(x) is not None for r in records for key in drawable):
-            raise UserError(f"{run_dir / 'metrics.jsonl'} holds nothing to draw against {x} ({len(records)} records): "
-                            f"plot takes runs of alignment.train_rl, expert_iteration or sft that logged a step or an "
-                            f"evaluation.")
+            raise UserError(_nothing_to_draw(run_dir, records, x))
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
     for ax, (title, series) in zip(axes, PANELS):
         for run_index, (name, records) in enumerate(runs):
@@ -72,6 +73,47 @@ def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
     plt.close(fig)
     print(f"[plot] {drawn} curves in {sum(bool(ax.lines) for ax in axes)} of {len(PANELS)} panels, {len(runs)} run(s)")
     return out
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl, an SFT evaluation's `{"eval": {...}}` flattened to eval_* keys as
+    train_rl and expert_iteration log them."""
+    path = run_dir / "metrics.jsonl"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{run_dir} is a file, not a run folder; pass the folder that holds metrics.jsonl.")
+    if path.is_dir():
+        raise UserError(f"{path} is a folder, not a file; pass a run folder written by alignment.train_rl, "
+                        f"alignment.expert_iteration or alignment.sft.")
+    if not path.exists():
+        raise MissingFileError(f"{path} does not exist; pass a run folder written by alignment.train_rl, "
+                               f"alignment.expert_iteration or alignment.sft.")
+    records = read_jsonl(path)
+    for number, record in enumerate(records, 1):  # read_jsonl drops only a cut-off last line: index is line
+        if not isinstance(record, dict):
+            raise UserError(f"line {number} of {path} is not a JSON object ({json.dumps(record)[:40]}); each line "
+                            f"must be one record such as {{\"step\": 1, \"reward\": 0.5}}: fix or delete that line.")
+    return [{**r, **{f"eval_{k}": v for k, v in r["eval"].items()}} if isinstance(r.get("eval"), dict) else r
+            for r in records]
+
+
+def _nothing_to_draw(run_dir: Path, records: list[dict], x: str) -> str:
+    """Why a run has no curve against `x`: no records yet, none with `x`, or none with a value we draw."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        script = json.loads((run_dir / "config.json").read_text()).get("script")
+    except (OSError, ValueError, AttributeError):  # no config.json (or not a run's): say less
+        script = None
+    if not records:
+        return f"{path} holds no records yet; plot the run once it has logged a step or an evaluation."
+    if not any(r.get(x) is not None for r in records):
+        if script == "sft":
+            return f"{path}: sft runs log no {x} (train_rl and expert_iteration runs do); use --x step."
+        return f"{path}: none of its {len(records)} records has {x}; use --x step."
+    if script == "sft":
+        return (f"{path} holds nothing to draw against {x}: sft runs draw only their evaluations, and none of its "
+                f"{len(records)} records is one; train with --eval_limit above 0 or plot after the first --eval_every.")
+    return (f"{path} holds nothing to draw against {x} ({len(records)} records): plot takes runs of "
+            f"alignment.train_rl, expert_iteration or sft that logged a step or an evaluation.")
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:

@@ -112,3 +112,54 @@ def test_reasoning_gym_tasks_with_options_are_seeded_and_split():
 def test_bad_reasoning_gym_specs_say_what_to_do(name, message):
     with pytest.raises(ValueError, match=message):
         data.load_dataset(name, size=2)
+
+
+def test_a_users_own_file_is_to_be_fixed_not_downloaded(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    path.write_text('{"prompt": "p", "response": "r"}\n{"prompt": "oops"\n')
+    with pytest.raises(data.UserError, match=r"traces.jsonl:2 is not valid JSON .*; fix the file") as error:
+        data.read_jsonl(path, ("prompt", "response"))
+    assert "download" not in str(error.value)
+    path.write_text("\n")
+    with pytest.raises(data.UserError, match=r"traces.jsonl holds no rows; fix the file") as error:
+        data.read_jsonl(path, ("prompt", "response"))
+    assert "download" not in str(error.value)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(data.UserError, match=r"traces.jsonl:1 is not a JSON object"):
+        data.read_jsonl(path, ("prompt", "response"))
+
+
+def test_dataset_files_keep_their_own_advice(tmp_path):
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text('{"question"\n')
+    with pytest.raises(data.UserError, match=r"test.jsonl:1 is not valid JSON .*download gsm8k` again"):
+        data.load_gsm8k("test", str(tmp_path))
+    (tmp_path / "aime24").mkdir()
+    (tmp_path / "aime24" / "test.jsonl").write_text("")
+    with pytest.raises(data.UserError, match=r"holds no rows; copy the aime24 test.jsonl"):
+        data.load_dataset("aime24", data_dir=str(tmp_path))
+
+
+def test_prompt_and_response_must_be_strings(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    path.write_text('{"prompt": 5, "response": null}\n')
+    with pytest.raises(data.UserError, match=r"traces.jsonl:1: prompt and response must be strings "
+                                             r"\(prompt is 5, response is null\); fix the file"):
+        data.read_jsonl(path, ("prompt", "response"))
+
+
+def test_a_folder_where_a_file_is_expected_and_the_reverse_are_named(tmp_path):
+    with pytest.raises(data.UserError, match=r"is a folder, not a file; pass the JSONL file itself"):
+        data.read_jsonl(tmp_path, ("prompt", "response"))
+    (tmp_path / "math500").mkdir()
+    (tmp_path / "math500" / "test.jsonl").mkdir()
+    with pytest.raises(data.UserError, match=r"test.jsonl is a folder, not a file"):
+        data.load_dataset("math500", data_dir=str(tmp_path))
+    (tmp_path / "aime24").write_text("")
+    with pytest.raises(data.UserError, match=r"aime24 is a file where a folder is expected"):
+        data.load_dataset("aime24", data_dir=str(tmp_path))
+    a_file = tmp_path / "data.txt"
+    a_file.write_text("")
+    for name in ("gsm8k", "math500"):
+        with pytest.raises(data.UserError, match=r"data.txt is a file where a folder is expected"):
+            data.load_dataset(name, data_dir=str(a_file))

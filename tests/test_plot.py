@@ -16,7 +16,7 @@ def test_plot_draws_only_what_is_there_and_refuses_the_rest(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("")
-    with pytest.raises(UserError, match="holds nothing to draw"):
+    with pytest.raises(UserError, match="holds no records yet"):
         plot(run)
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")  # an SFT step: no curve of ours
     with pytest.raises(UserError, match="holds nothing to draw"):
@@ -31,3 +31,64 @@ def test_plot_draws_only_what_is_there_and_refuses_the_rest(tmp_path, capsys):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert plot(run).exists()
     assert "[plot] 4 curves in 3 of 4 panels, 1 run(s)" in capsys.readouterr().out
+
+
+def _write(path, records):
+    import json
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_metrics_line_that_is_not_an_object_is_named(tmp_path):
+    import pytest
+    from alignment.errors import UserError
+    from alignment.plot import plot
+    (tmp_path / "metrics.jsonl").write_text("[1, 2]\n")
+    with pytest.raises(UserError, match=r"line 1 of .*metrics.jsonl is not a JSON object \(\[1, 2\]\)"):
+        plot(tmp_path)
+
+
+def test_nothing_to_draw_says_which_thing_is_missing(tmp_path):
+    import json
+    import pytest
+    from alignment.errors import UserError
+    from alignment.plot import plot
+    run = tmp_path / "sft_run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match="holds no records yet"):
+        plot(run)
+    (run / "config.json").write_text(json.dumps({"script": "sft"}))
+    _write(run / "metrics.jsonl", [{"step": 1, "loss": 0.5}, {"step": 1, "eval": {"avg_all_rewards": 0.2}}])
+    with pytest.raises(UserError, match="sft runs log no generated_tokens .*use --x step"):
+        plot(run, x="generated_tokens")
+    assert plot(run).exists()  # against the step, SFT's evaluation (logged nested under "eval") is drawn
+    _write(run / "metrics.jsonl", [{"step": 1, "loss": 0.5}])
+    with pytest.raises(UserError, match="sft runs draw only their evaluations"):
+        plot(run)
+    (run / "config.json").unlink()
+    _write(run / "metrics.jsonl", [{"step": 1, "reward": 0.5}])  # an RL run from before generated_tokens was counted
+    with pytest.raises(UserError, match="none of its 1 records has generated_tokens; use --x step"):
+        plot(run, x="generated_tokens")
+
+
+def test_a_run_given_twice_is_drawn_once(tmp_path, capsys):
+    from alignment.plot import plot
+    run = tmp_path / "rl1"
+    run.mkdir()
+    _write(run / "metrics.jsonl", [{"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.6}])
+    out = plot([run, f"{run}/", tmp_path / "." / "rl1"], tmp_path / "both.png")
+    assert out.exists()
+    printed = capsys.readouterr().out
+    assert "given more than once; drawn once" in printed and "1 curves in 1 of 4 panels, 1 run(s)" in printed
+
+
+def test_a_run_folder_that_is_a_file_is_named_as_such(tmp_path):
+    import pytest
+    from alignment.errors import UserError
+    from alignment.plot import plot
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(UserError, match="metrics.jsonl is a folder, not a file"):
+        plot(tmp_path)
+    (tmp_path / "run").write_text("")
+    with pytest.raises(UserError, match="run is a file, not a run folder"):
+        plot(tmp_path / "run")
