@@ -61,10 +61,15 @@ def parse(cls, argv=None):
         if unknown:
             raise ValueError(_unknown_flag(unknown, cls))
         values = vars(namespace)
+        given = {word[2:].split("=")[0] for word in argv if word.startswith("--")}
+        given |= {name[3:] for name in given if name.startswith("no_")}
         if values.get("resume"):  # flags left out are the run's own, from its checkpoint
-            given = {word[2:].split("=")[0] for word in argv if word.startswith("--")}
-            given |= {name[3:] for name in given if name.startswith("no_")}
-            values.update({k: v for k, v in _saved_flags(values["resume"]).items()
+            if "output_dir" in given and os.path.realpath(values["output_dir"]) != os.path.realpath(values["resume"]):
+                raise ValueError(f"--resume {values['resume']} continues the run in that folder, and --output_dir "
+                                 f"{values['output_dir']} names another: drop --output_dir (a resumed run writes "
+                                 f"where it ran).")
+            values["output_dir"] = values["resume"]  # what config.json records: the folder the run writes
+            values.update({k: v for k, v in _saved_flags(values["resume"], cls).items()
                            if k in values and k not in given and k not in ("resume", "overwrite", "output_dir")})
         args = cls(**values)
         args.check()  # check_values first, then the cross-field rules
@@ -73,16 +78,26 @@ def parse(cls, argv=None):
     return args
 
 
-def _saved_flags(run_folder: str) -> dict:
-    """The flags a run was started with (its checkpoint's run_config.json), or {} where there is none yet."""
+def _saved_flags(run_folder: str, cls) -> dict:
+    """The flags a run of this script was started with (its checkpoint's run_config.json), or {} where there is
+    none yet or the run is another script's (Run refuses it then, in one line that says whose it is)."""
     try:
-        return json.loads((Path(run_folder) / "checkpoint" / "run_config.json").read_text())
+        owner = json.loads((Path(run_folder) / "config.json").read_text()).get("script")
+    except (OSError, ValueError, AttributeError):
+        owner = None
+    try:
+        return json.loads((Path(run_folder) / "checkpoint" / "run_config.json").read_text()) if owner in (
+            None, _script(cls)) else {}
     except (OSError, ValueError):
         return {}
 
 
+def _script(cls) -> str:
+    return next((name for name, other in SCRIPTS.items() if other is cls), cls.__name__)
+
+
 def build_parser(cls) -> argparse.ArgumentParser:
-    script = next((name for name, other in SCRIPTS.items() if other is cls), cls.__name__)
+    script = _script(cls)
     parser = argparse.ArgumentParser(prog=f"uv run -m alignment.{script}", usage="%(prog)s [--flag VALUE ...]",
                                      description=cls.__doc__, allow_abbrev=False,
                                      formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32))
@@ -187,6 +202,8 @@ def check_values(args):
             raise ValueError(f"--{f.name} must be 0 or more, not {value}.")
         if f.name in AT_MOST_ONE and value > 1:
             raise ValueError(f"--{f.name} is a fraction: at most 1, not {value}.")
+        if f.name == "seed" and not 0 <= value < 2**63:  # what torch.manual_seed and the samplers take
+            raise ValueError(f"--seed must be 0 or more and below 2**63, not {value}.")
 
 
 def to_dict(args) -> dict:

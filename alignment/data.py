@@ -171,7 +171,8 @@ def load_dataset(name: str, split: str = "test", data_dir: str | None = None, si
         return load_gsm8k(split, data_dir)
     if name in MATH_STYLE:
         if split != "test":
-            raise UserError(f"{name} has only a test split; pass --split test.")
+            raise UserError(f"{name} has only a test split: evaluate on it (alignment.evaluate --dataset {name}, or "
+                            f"--eval_dataset {name}), and train on gsm8k or an rg:<task>.")
         return load_math_style(name, data_dir)
     raise UserError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)} or rg:<task>.")
 

@@ -23,7 +23,7 @@ from alignment.args import EvalArgs, parse, to_dict
 from alignment.errors import UserError, cli
 from alignment.drgrpo_grader import extract_boxed, extract_last_number, normalize, question_only_reward_fn, r1_zero_reward_fn
 from alignment.rollout import traces
-from alignment.run import writable_folder
+from alignment.run import lock_folder
 from alignment.sampling import SamplingParams, make_sampler, pick_backend
 
 # rollout mode -> its generate function; picked once, by name
@@ -58,6 +58,16 @@ def check_context(max_model_len: int | None, tokenizer, rows, prompt_name: str, 
     if longest + max_tokens > max_model_len:
         raise UserError(f"--vllm_max_model_len {max_model_len} cannot hold the longest prompt ({longest} tokens) and "
                         f"an answer of up to {max_tokens}: raise it to at least {longest + max_tokens}.")
+
+
+def _refuse_used(out: Path):
+    """Results are never replaced silently, and a training run's folder is not an evaluation's."""
+    if (out / "summary.json").exists() or (out / "results.jsonl").exists():
+        raise UserError(f"{out} already holds evaluation results: choose another --output_dir (or leave it out for a "
+                        f"new dated folder), or delete that one.")
+    if (out / "config.json").exists() or (out / "checkpoint").exists():
+        raise UserError(f"{out} is a training run's folder: evaluate writes its own; choose another --output_dir "
+                        f"(--model {out} evaluates that run's weights).")
 
 
 def extract_answer(response: str, prompt_name: str) -> str | None:
@@ -138,9 +148,7 @@ def main(args: EvalArgs) -> dict:
     device = models.resolve_device(args.device)
     out = Path(args.output_dir or f"outputs/eval/{Path(args.model).name}-"
                f"{re.sub(r'[^A-Za-z0-9._=-]+', '_', args.dataset)}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if (out / "summary.json").exists() or (out / "results.jsonl").exists():  # never replaced silently
-        raise UserError(f"{out} already holds evaluation results: choose another --output_dir (or leave it out for a "
-                        f"new dated folder), or delete that one.")
+    _refuse_used(out)
     models.resolve_model(args.model)  # an unusable --model fails before anything is written
     rows = data.load_dataset(args.dataset, args.split, args.data_dir)
     limit = args.limit if args.limit is not None else (0 if device.startswith("cuda") else CPU_DEFAULT_LIMIT)
@@ -151,7 +159,8 @@ def main(args: EvalArgs) -> dict:
     print(f"[evaluate] {args.model} on {args.dataset} {args.split}: {len(subset)} of {len(rows)} problems{why}, "
           f"{args.prompt} prompt, {decoding}, n={args.n_samples}, max {args.max_tokens} tokens, {backend} on {device}, "
           f"precision {models.resolve_precision(args.precision, device)} ({args.precision})")
-    writable_folder(out)  # an output path that cannot be written fails now, not after the work
+    lock_folder(out)  # held until the process ends: a second evaluate into this folder is refused meanwhile
+    _refuse_used(out)  # and after it, by the results it left
     torch.manual_seed(args.seed)
     tokenizer = models.load_tokenizer(args.model)
     if backend == "vllm":

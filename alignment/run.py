@@ -57,8 +57,18 @@ class Run:
         self.dir = Path(distributed.gather_objects(args.resume or args.output_dir or default_dir)[0])
         self.checkpoint = self.dir / "checkpoint"
         if args.resume and not self.dir.is_dir():
-            raise MissingFileError(f"--resume {self.dir}: no such run folder.")
-        self._lock = _lock_folder(self.dir) if self.main else None  # held until this process ends
+            raise MissingFileError(f"--resume {self.dir}: " + ("a file, not a run folder." if self.dir.exists() else
+                                                                "no such run folder."))
+        for flag, model in (("model", start_model), ("critic_model", getattr(args, "critic_model", None))):
+            if model and Path(model).exists() and self.dir.resolve() in (Path(model).resolve(),
+                                                                          *Path(model).resolve().parents):
+                raise UserError(f"the run folder {self.dir} holds --{flag} {model}: the run would write (or with "
+                                f"--overwrite delete) the model it starts from; choose another --output_dir.")
+        if not args.resume and _holds_a_run(self.dir) and not _config(self.dir):
+            raise UserError(f"{self.dir} holds files that are not a run of this project's scripts"
+                            f"{' (--overwrite deletes only run folders)' if args.overwrite else ''}: choose another "
+                            f"--output_dir.")
+        self._lock = lock_folder(self.dir) if self.main else None  # held until this process ends
         self.state = self._resume_state(set(resumable) | ALWAYS_RESUMABLE) if args.resume else None
         if not args.resume and _holds_a_run(self.dir) and not args.overwrite:
             raise UserError(f"{self.dir} already holds a run: continue it with --resume {self.dir}, start over with "
@@ -77,7 +87,8 @@ class Run:
             writable_folder(self.dir)  # an output path that cannot be written fails now, not after the work
             for name in ("metrics.jsonl", "rollouts.jsonl"):  # a crash after the checkpoint wrote these again
                 _truncate_jsonl(self.dir / name, self.start_step)
-            config = {**to_dict(args), "start_model": self.start_model, "script": self.script}
+            config = {**to_dict(args), "output_dir": str(self.dir), "start_model": self.start_model,
+                      "script": self.script}
             (self.dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
             self.logger = _make_logger(args.logger, self.dir, config)
 
@@ -110,7 +121,8 @@ class Run:
         script's own `state`, which `restore` hands back."""
         trainer_state = {**(state or {}), "step": step, "start_model": self.start_model,
                          "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
-        models.save_checkpoint(model, tokenizer, self.checkpoint, config=to_dict(self.args), optimizer=optimizer,
+        config = {**to_dict(self.args), "output_dir": str(self.dir)}  # the folder it writes, however it was named
+        models.save_checkpoint(model, tokenizer, self.checkpoint, config=config, optimizer=optimizer,
                                extra={STATE_FILE: trainer_state}, submodels=submodels)
 
     @contextlib.contextmanager
@@ -213,14 +225,18 @@ LOCK_FILE = ".lock"
 WRITE_PROBE = ".write-test"
 
 
-def _lock_folder(folder: Path):
+def lock_folder(folder: Path):
     """An exclusive flock on folder/.lock for as long as the returned file stays open (this process's life;
     the kernel drops it when the process ends, however it ends, so a killed run never blocks the next)."""
     key = os.path.realpath(folder)
     if key in _HELD:  # this process holds it already (a script's main() called again, as tests and sweeps do)
         return _HELD[key]
     writable_folder(folder)
-    handle = open(folder / LOCK_FILE, "a+")
+    try:
+        handle = open(folder / LOCK_FILE, "a+")
+    except OSError as e:
+        raise UserError(f"cannot open the run lock {folder / LOCK_FILE} ({e.strerror or e}): remove it (no run "
+                        f"holds a lock that is not a plain file), or choose another --output_dir.") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

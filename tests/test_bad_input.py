@@ -302,3 +302,63 @@ def test_a_ctrl_c_while_a_script_starts_ends_in_one_line(tmp_path):
     assert done.returncode == 130 and "Traceback" not in done.stderr
     assert done.stderr.strip() == "interrupted outside a training step: nothing was saved now (checkpoints saved " \
                                   "before are kept)."
+
+
+def test_an_interrupt_delivered_twice_while_a_script_starts_ends_in_one_line(tmp_path):
+    """uv forwards the SIGINT that the process group also got: two arrive, the second while the interpreter
+    shuts down (waiting for a thread here, as a loading script does): still one line, no traceback."""
+    import subprocess
+    import sys
+    import time
+    code = ("import sys; sys.argv = ['-m']; import alignment, threading, time; sys.argv = ['x']; "
+            "threading.Thread(target=time.sleep, args=(2,)).start(); print('ready', flush=True); time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
+    assert child.stdout.readline().strip() == "ready"
+    child.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    child.send_signal(signal.SIGINT)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode == 130 and "Traceback" not in stderr and stderr.count("interrupted") == 1, stderr
+
+
+def test_a_seed_torch_cannot_take_is_refused_when_parsed(capsys):
+    for seed in (str(2**63), "-1"):
+        with pytest.raises(SystemExit):
+            parse(RLArgs, ["--seed", seed])
+        err = capsys.readouterr().err
+        assert "--seed must be 0 or more" in err and f"not {seed}" in err
+
+
+def test_evaluate_refuses_a_training_runs_folder_and_one_another_evaluate_holds(tiny_model_dir, tmp_path, data_dir):
+    import subprocess
+    import sys
+    run_dir = tmp_path / "rl"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"script": "train_rl"}))
+    with pytest.raises(UserError, match="is a training run's folder"):
+        evaluate.main(EvalArgs(model=tiny_model_dir, limit=1, max_tokens=2, output_dir=str(run_dir), data_dir=data_dir))
+    out = tmp_path / "eval"
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from alignment.run import lock_folder
+from pathlib import Path
+lock_folder(Path({str(out)!r}))
+print("locked", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError, match=f"{out} is being written by another run"):
+            evaluate.main(EvalArgs(model=tiny_model_dir, limit=1, max_tokens=2, output_dir=str(out), data_dir=data_dir))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (out / "results.jsonl").exists()
+
+
+def test_a_test_only_dataset_for_training_names_what_to_do(tiny_model_dir, tmp_path, data_dir):
+    args = tiny_args(tiny_model_dir, tmp_path / "run", dataset="aime24", data_dir=data_dir)
+    with pytest.raises(UserError, match="aime24 has only a test split: evaluate on it .* train on gsm8k or an rg:"):
+        train_rl.main(args)

@@ -47,8 +47,11 @@ def test_a_used_folder_is_refused_unless_resumed_or_overwritten(tmp_path):
         open_run(tmp_path / "run")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("a user's file")
-    with pytest.raises(UserError, match="already holds a run"):
+    with pytest.raises(UserError, match="holds files that are not a run"):
         open_run(tmp_path / "other")
+    with pytest.raises(UserError, match=r"--overwrite deletes only run folders"):  # a user's files are never deleted
+        open_run(tmp_path / "other", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["notes.txt"]
     run = open_run(tmp_path / "run", overwrite=True)
     assert run.metrics() == [] and sorted(p.name for p in run.dir.iterdir()) == [".lock", "config.json"]
     with pytest.raises(ValueError, match="pass one of them"):
@@ -99,9 +102,9 @@ def test_a_run_folder_is_locked_while_a_run_writes_it_and_released_when_its_proc
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import sys, time
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
-from alignment.run import _lock_folder
+from alignment.run import lock_folder
 from pathlib import Path
-_lock_folder(Path({str(folder)!r}))
+lock_folder(Path({str(folder)!r}))
 print("locked", flush=True)
 time.sleep(60)
 """], stdout=subprocess.PIPE, text=True)
@@ -159,9 +162,22 @@ def test_resume_takes_the_flags_left_out_from_the_run_itself(tmp_path):
     (tmp_path / "run" / "checkpoint" / "run_config.json").write_text(json.dumps(saved))
     args = parse(RLArgs, ["--resume", str(tmp_path / "run"), "--n-steps", "9"])
     assert (args.group_size, args.rollout_batch_size, args.train_mini_batch_size) == (2, 4, 2)
-    assert args.n_steps == 9 and args.eval_before_train is False and args.output_dir is None  # the folder moved: fine
+    assert args.n_steps == 9 and args.eval_before_train is False
+    assert args.output_dir == str(tmp_path / "run")  # the folder moved: config.json records where it is now
     args = parse(RLArgs, ["--resume", str(tmp_path / "run"), "--eval_before_train"])
     assert args.eval_before_train is True and args.n_steps == 5
+
+
+def test_resume_refuses_an_explicit_output_dir_elsewhere_and_another_scripts_flags(tmp_path):
+    """`sft --resume R --output_dir <sft's default>` was accepted (the default could not be told from a given
+    value), and `expert_iteration --resume <an sft run>` failed on a flag of sft's it took (probe round 2)."""
+    from alignment.args import EIArgs, SFTArgs, parse
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"script": "sft"}))
+    (tmp_path / "run" / "checkpoint" / "run_config.json").write_text(json.dumps({**SFTArgs().__dict__, "save_every": 0}))
+    with pytest.raises(SystemExit):
+        parse(SFTArgs, ["--resume", str(tmp_path / "run"), "--output_dir", SFTArgs().output_dir])
+    assert parse(EIArgs, ["--resume", str(tmp_path / "run")]).save_every == EIArgs().save_every  # Run says whose
 
 
 def test_what_rank_0_makes_while_the_other_ranks_look_is_not_a_run(tmp_path):
@@ -174,3 +190,20 @@ def test_what_rank_0_makes_while_the_other_ranks_look_is_not_a_run(tmp_path):
     assert not _holds_a_run(tmp_path)
     (tmp_path / "metrics.jsonl").write_text("")
     assert _holds_a_run(tmp_path)
+
+
+def test_a_run_folder_that_holds_its_start_model_is_refused_before_anything_is_written(tmp_path, tiny_model, tokenizer):
+    """`--model X --output_dir X --overwrite` deleted the model it was about to load (probe round 2)."""
+    model_dir = tmp_path / "model"
+    tiny_model.save_pretrained(model_dir)
+    before = sorted(p.name for p in model_dir.iterdir())
+    for out in (model_dir, tmp_path):  # the model's folder, and a folder above it
+        with pytest.raises(UserError, match="would write \\(or with --overwrite delete\\) the model it starts from"):
+            Run(Flags(output_dir=str(out), overwrite=True), "unused", str(model_dir))
+    assert sorted(p.name for p in model_dir.iterdir()) == before
+
+
+def test_a_lock_that_is_not_a_file_ends_in_one_line(tmp_path):
+    (tmp_path / "run" / ".lock").mkdir(parents=True)
+    with pytest.raises(UserError, match="cannot open the run lock"):
+        open_run(tmp_path / "run")
