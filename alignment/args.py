@@ -72,6 +72,10 @@ def parse(cls, argv=None):
             values.update({k: v for k, v in _saved_flags(values["resume"], cls).items()
                            if k in values and k not in given and k not in ("resume", "overwrite", "output_dir")})
         args = cls(**values)
+        check_values(args)  # a value out of range is named as such first
+        moot = args.moot() if hasattr(args, "moot") else {}
+        for name in sorted(given & set(moot)):  # never dropped silently
+            raise ValueError(f"--{name} {getattr(args, name)} has no effect {moot[name]}: drop it.")
         args.check()  # check_values first, then the cross-field rules
     except ValueError as e:
         _fail(str(e))
@@ -257,9 +261,17 @@ class RolloutArgs:
 
     def check_rollout(self):
         carryover = self.delethink_carryover if self.delethink_carryover is not None else self.delethink_chunk_size // 2
-        if not self.delethink_keep_head <= carryover < self.delethink_chunk_size:
-            raise ValueError("delethink needs keep_head <= carryover < chunk_size; lower --delethink_keep_head "
-                             "or --delethink_carryover, or raise --delethink_chunk_size.")
+        if self.rollout_mode == "delethink" and not self.delethink_keep_head <= carryover < self.delethink_chunk_size:
+            raise ValueError(f"delethink needs keep_head <= carryover < chunk_size, here {self.delethink_keep_head} <= "
+                             f"{carryover} < {self.delethink_chunk_size}; lower --delethink_keep_head or "
+                             f"--delethink_carryover, or raise --delethink_chunk_size.")
+
+    def moot(self) -> dict[str, str]:
+        """Flags that do nothing with the other values, and why: given on the command line, they are refused."""
+        modes = {"delethink": [f.name for f in fields(RolloutArgs) if f.name.startswith("delethink_")],
+                 "tir": ["max_tool_calls", "tool_timeout", "mask_observations", "tir_reward_scheme", "exec_penalty"]}
+        return {name: f"outside --rollout_mode {mode} (this run's is {self.rollout_mode})"
+                for mode, names in modes.items() if self.rollout_mode != mode for name in names}
 
 
 @dataclass
@@ -322,6 +334,10 @@ class EvalArgs(SamplerArgs, RolloutArgs):
     device: str | None = arg(None, "device for the model (default cuda if available, else cpu)")
     seed: int = arg(0, "sampling seed")
     output_dir: str | None = arg(None, "where to write results.jsonl and summary.json (default outputs/eval/<model>-<dataset>-<time>)")
+
+    def moot(self) -> dict[str, str]:
+        greedy = {"top_p": "with --temperature 0 (greedy decoding)"} if self.temperature == 0 else {}
+        return {**super().moot(), **greedy}
 
     def check(self):
         check_values(self)
@@ -413,6 +429,15 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
         """--advantage_estimator as the user should read it in a message (no_baseline implies none)."""
         implied = self.loss_type == "no_baseline" and self.advantage_estimator == "none"
         return f"{self.advantage_estimator} (implied by --loss_type no_baseline)" if implied else self.advantage_estimator
+
+    def moot(self) -> dict[str, str]:
+        gae = {name: f"outside --advantage_estimator gae (this run's is {self.advantage_estimator})"
+               for name in ("lam", "critic_model", "critic_device", "critic_learning_rate", "cliprange_value",
+                            "value_loss_coef", "critic_warmup_steps") if self.advantage_estimator != "gae"}
+        if self.advantage_estimator not in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
+            gae["gamma"] = f"outside gae and reinforce_pp (this run's --advantage_estimator is {self.advantage_estimator})"
+        kl = {name: "with --kl_coef 0 (no KL term)" for name in ("kl_estimator", "kl_in_reward")} if not self.kl_coef else {}
+        return {**super().moot(), **gae, **kl}
 
     def check(self):
         check_values(self)
@@ -523,6 +548,10 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     save_every: int = arg(0, "also save a checkpoint every N steps (0: only at the end)")
     output_dir: str = arg("checkpoints/math_sft", "run folder: config.json, metrics.jsonl, rollouts.jsonl (evaluation samples), checkpoint/ (the model: --model takes the run folder)")
     seed: int = arg(0, "seed for data order and torch")
+
+    def moot(self) -> dict[str, str]:
+        return {name: "with --eval_limit 0 (no evaluation)" for name in ("eval_every", "eval_dataset", "eval_max_tokens")
+                if not self.eval_limit}
 
     def check(self):
         check_values(self)

@@ -49,15 +49,27 @@ def build_prompts(tokenizer, rows, prompt_name: str, chat_template: bool = False
 
 
 def check_context(max_model_len: int | None, tokenizer, rows, prompt_name: str, chat_template: bool,
-                  max_tokens: int):
-    """The longest prompt plus `max_tokens` must fit a vLLM engine's --vllm_max_model_len: checked before the
-    engine's minute-long start (vLLM's own error comes only after it)."""
-    if not max_model_len or not rows:
+                  max_tokens: int, model: str | None = None):
+    """The longest prompt plus `max_tokens` must fit a vLLM engine's --vllm_max_model_len (checked before the
+    engine's minute-long start: vLLM's own error comes only after it), or else the model's own context
+    (`model`'s max_position_embeddings: past it vLLM cuts answers short and HF generates on for minutes)."""
+    limit = max_model_len or (_model_context(model) if model else None)
+    if not limit or not rows:
         return
     longest = max(len(ids) for ids in build_prompts(tokenizer, rows, prompt_name, chat_template)[1])
-    if longest + max_tokens > max_model_len:
-        raise UserError(f"--vllm_max_model_len {max_model_len} cannot hold the longest prompt ({longest} tokens) and "
-                        f"an answer of up to {max_tokens}: raise it to at least {longest + max_tokens}.")
+    if longest + max_tokens > limit:
+        raise UserError((f"--vllm_max_model_len {max_model_len} cannot hold the longest prompt ({longest} tokens) and "
+                         f"an answer of up to {max_tokens}: raise it to at least {longest + max_tokens}.")
+                        if max_model_len else
+                        (f"the model's context ({limit} tokens, its max_position_embeddings) cannot hold the longest "
+                         f"prompt ({longest} tokens) and an answer of up to {max_tokens} tokens: lower the answer "
+                         f"length to at most {max(limit - longest, 0)}."))
+
+
+def _model_context(model: str) -> int | None:
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(models.resolve_model(model))
+    return getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
 
 
 def _refuse_used(out: Path):
@@ -163,8 +175,9 @@ def main(args: EvalArgs) -> dict:
     _refuse_used(out)  # and after it, by the results it left
     torch.manual_seed(args.seed)
     tokenizer = models.load_tokenizer(args.model)
-    if backend == "vllm":
-        check_context(args.vllm_max_model_len, tokenizer, subset, args.prompt, args.chat_template, args.max_tokens)
+    if args.rollout_mode == "standard":  # (delethink's and tir's contexts are bounded per chunk and per call)
+        check_context(args.vllm_max_model_len if backend == "vllm" else None, tokenizer, subset, args.prompt,
+                      args.chat_template, args.max_tokens, args.model)
     model = models.load_model(args.model, device, models.default_dtype(device, args.precision)) if backend == "hf" else None
     sampler = make_sampler(backend, model, tokenizer, models.resolve_model(args.model), device,
                            batch_size=args.batch_size, seed=args.seed, progress=True, **args.vllm_options())

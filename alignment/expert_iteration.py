@@ -96,9 +96,8 @@ def main(args: EIArgs) -> dict:
     dtype, autocast = models.train_precision(device, args.precision)
     tokenizer = models.load_tokenizer(run.weights)
     backend = pick_backend(args.backend, device)
-    if backend == "vllm":  # before the weights and the engine's minute-long start
-        check_context(args.vllm_max_model_len, tokenizer, train_rows + eval_rows, args.prompt, args.chat_template,
-                      max(args.sampling_max_tokens, args.eval_max_tokens))
+    check_context(args.vllm_max_model_len if backend == "vllm" else None, tokenizer, train_rows + eval_rows,
+                  args.prompt, args.chat_template, max(args.sampling_max_tokens, args.eval_max_tokens), run.weights)
     model = models.load_policy_model(run.weights, roles["policy"], dtype)
     if device.startswith("cuda"):
         model.gradient_checkpointing_enable()

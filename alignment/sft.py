@@ -137,8 +137,9 @@ def main(args: SFTArgs) -> dict:
     # torchrun). fp32 master weights; on GPU the forward runs in bf16 with gradient checkpointing.
     roles = {"policy": [device]} if device else models.assign_device_roles(models.available_devices())
     input_device = roles["policy"][0]
-    if not device and pick_backend(args.backend, input_device) == "vllm":  # before the weights and the engine
-        check_context(args.vllm_max_model_len, tokenizer, eval_rows, "r1_zero", False, args.eval_max_tokens)
+    vllm = not device and pick_backend(args.backend, input_device) == "vllm"  # checked before weights and engine
+    check_context(args.vllm_max_model_len if vllm else None, tokenizer, eval_rows, "r1_zero", False,
+                  args.eval_max_tokens, run.weights)
     dtype, autocast = models.train_precision(input_device, args.precision)
     model = models.load_policy(run, args, roles["policy"], dtype)  # with --lora_rank: adapters on the start model
     if input_device.startswith("cuda"):

@@ -128,9 +128,10 @@ def main(args: RLArgs) -> dict:
     random.seed(args.seed)
     # Data first: a bad dataset or file fails before a minute of model loading.
     train_rows, eval_rows, eval_name = load_questions(args, run.say)
-    if backend == "vllm":
-        check_context(args.vllm_max_model_len, models.load_tokenizer(run.weights), train_rows + eval_rows, args.prompt,
-                      args.chat_template, max(args.sampling_max_tokens, args.eval_max_tokens))
+    if args.rollout_mode == "standard":  # before the weights load and an engine starts
+        check_context(args.vllm_max_model_len if backend == "vllm" else None, models.load_tokenizer(run.weights),
+                      train_rows + eval_rows, args.prompt, args.chat_template,
+                      max(args.sampling_max_tokens, args.eval_max_tokens), run.weights)
     m = load_models(args, run, roles, device, backend)
     reference = ("the policy with its adapters off (no second copy)" if m.reference is m.policy else
                  f"{run.start_model} on {roles['reference']}" if m.reference is not None else "none (--kl_coef 0)")

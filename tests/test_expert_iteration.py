@@ -126,7 +126,7 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path, parity, monkeypatch)
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--prompt", "tir"], "use r1_zero or question_only"),
+    (["--prompt", "tir"], "--prompt 'tir' is not one of r1_zero, question_only"),
     (["--batch_size", "6", "--microbatch_size", "4"], "multiple of --microbatch_size"),
     (["--questions_per_step", "0"], "--questions_per_step must be greater than 0"),
     (["--sft_epochs", "-1"], "--sft_epochs must be greater than 0"),

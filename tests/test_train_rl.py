@@ -437,7 +437,7 @@ def test_estimator_flag_checks(capsys):
     for argv, message in [(["--advantage_estimator", "gae", "--rollout_mode", "delethink", "--loss_agg_mode",
                             "trace-length"], "one row per trace"),
                           (["--loss_type", "gspo", "--advantage_estimator", "reinforce_pp"], "one advantage per trace"),
-                          (["--kl_in_reward"], "--kl_coef > 0"),
+                          (["--kl_in_reward"], "--kl_in_reward True has no effect with --kl_coef 0"),
                           (["--loss_type", "no_baseline", "--advantage_estimator", "rloo"], "trains on the raw reward"),
                           (["--kl_coef", "0.1", "--kl_estimator", "k1"], "zero-mean gradient"),
                           (["--kl_coef", "0.1", "--kl_in_reward", "--use_std_normalization"], "tiny std"),
