@@ -25,6 +25,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -188,10 +189,32 @@ def main():
     # one run per prompt and seed measures the start model (each seed has its own test split); the others share it
     measures = {(prompt_of(VARIANTS[name]), seed): (name, seed) for name in reversed(names) for seed in args.seeds}
     jobs = [(name, seed) for name in names for seed in args.seeds]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        dirs = dict(zip(jobs, pool.map(lambda job: run(
-            job[0], VARIANTS[job[0]], budget, job[1], out, args.dataset,
-            evaluate_start=job in measures.values(), threads=threads), jobs)))
+    stop = threading.Event()  # set by Ctrl-C or a failed run: no further run starts
+
+    def guarded(job):
+        if stop.is_set():
+            return None
+        try:
+            return run(job[0], VARIANTS[job[0]], budget, job[1], out, args.dataset,
+                       evaluate_start=job in measures.values(), threads=threads)
+        except BaseException:
+            stop.set()
+            raise
+    try:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            futures = {job: pool.submit(guarded, job) for job in jobs}
+            try:
+                dirs = {job: future.result() for job, future in futures.items()}
+            except BaseException:  # before the pool waits for the runs under way
+                stop.set()
+                raise
+    except KeyboardInterrupt:  # the runs got the signal too: they stop after their step, with a checkpoint
+        stop.set()
+        sys.exit("[ablations] interrupted: the runs under way keep their last checkpoint; run the same command "
+                 "again to continue the sweep")
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"[ablations] a run ended with exit status {e.returncode} ({' '.join(e.cmd[2:4])} ... "
+                 f"{e.cmd[e.cmd.index('--output_dir') + 1]}): see its .log in {out}; no further run was started")
     starts = {}
     for key, job in measures.items():
         step, score, _ = eval_curve(dirs[job])[0]
