@@ -88,7 +88,7 @@ def main(args: EIArgs) -> dict:
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     # Data first: a bad dataset fails before a minute of model loading.
-    train_rows, eval_rows, eval_name = load_questions(args, run.say)
+    train_rows, eval_rows, eval_name = load_questions(args, run.say, "expert_iteration")
 
     # The policy on the device SFT would use; the sampler shares it (HF) or holds a copy pushed after each step.
     roles = models.assign_device_roles(models.available_devices())

@@ -191,7 +191,8 @@ class Run:
                                    f"least one checkpoint (see --save_every).")
         saved = json.loads((self.checkpoint / "run_config.json").read_text())
         defaults = {f.name: f.default for f in dataclasses.fields(self.args)}  # a flag added since the run was saved
-        changed = sorted(k for k, v in to_dict(self.args).items() if k not in resumable and saved.get(k, defaults[k]) != v)
+        changed = sorted(f"--{k} {v} (the run's: {saved.get(k, defaults[k])})" for k, v in to_dict(self.args).items()
+                         if k not in resumable and saved.get(k, defaults[k]) != v)
         if changed:
             raise UserError(f"resume with the flags of the original run; these differ: {', '.join(changed)} "
                             f"(see {self.checkpoint / 'run_config.json'}).")

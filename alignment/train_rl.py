@@ -56,7 +56,7 @@ def make_scorer(args: RLArgs):
     return lambda row, truth: reward_fn(row.text, truth)
 
 
-def load_questions(args: RLArgs, log=print) -> tuple[list[dict], list[dict], str]:
+def load_questions(args: RLArgs, log=print, script: str = "train_rl") -> tuple[list[dict], list[dict], str]:
     """The training questions, the evaluation questions and the evaluation set's name. Held out means held
     out: a training question that is also an evaluation question (a procedural task can draw the same
     problem under two seeds) is left out of training."""
@@ -66,7 +66,7 @@ def load_questions(args: RLArgs, log=print) -> tuple[list[dict], list[dict], str
     held_out = {row["question"] for row in eval_rows}
     kept = [row for row in train_rows if row["question"] not in held_out]
     if len(kept) < len(train_rows):
-        log(f"[train_rl] {len(train_rows) - len(kept)} of {len(train_rows)} training questions are evaluation "
+        log(f"[{script}] {len(train_rows) - len(kept)} of {len(train_rows)} training questions are evaluation "
             f"questions too; they are left out of training.")
     if not kept:
         raise UserError(f"every training question of {args.dataset} is also an evaluation question; choose a "

@@ -120,7 +120,7 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path, parity, monkeypatch)
                 for run in ("whole", "resumed")]
     assert rollouts[0] == rollouts[1]
     assert same_weights(tmp_path / "whole" / "checkpoint", tmp_path / "resumed" / "checkpoint")
-    with pytest.raises(ValueError, match="these differ: lr"):
+    with pytest.raises(ValueError, match="these differ: --lr"):
         expert_iteration.main(tiny_args(tiny_model_dir, tmp_path / "resumed", n_ei_steps=4, lr=0.5,
                                         resume=str(tmp_path / "resumed")))
 

@@ -74,11 +74,11 @@ def test_resume_restores_state_and_refuses_changed_flags(tmp_path, tiny_model, t
     (tmp_path / "empty").mkdir()
     with pytest.raises(MissingFileError, match="has no trainer_state.pt"):
         Run(Flags(resume=str(tmp_path / "empty")), "unused", None)
-    with pytest.raises(UserError, match="these differ: lr"):
+    with pytest.raises(UserError, match=r"these differ: --lr 0.2 \(the run's: 0.1\)"):  # both values named
         Run(Flags(resume=str(tmp_path / "run"), lr=0.2), "unused", None, resumable={"n_steps"})
     config = tmp_path / "run" / "checkpoint" / "run_config.json"  # saved before `lr` existed: its default holds
     config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "lr"}))
-    with pytest.raises(UserError, match="these differ: lr"):
+    with pytest.raises(UserError, match="these differ: --lr"):
         Run(Flags(resume=str(tmp_path / "run"), lr=0.2), "unused", None, resumable={"n_steps"})
     resumed = Run(Flags(resume=str(tmp_path / "run"), n_steps=5), "unused", None, resumable={"n_steps"})
     assert resumed.dir == tmp_path / "run" and resumed.start_step == 2 and resumed.start_model == "start-model"

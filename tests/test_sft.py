@@ -150,7 +150,7 @@ def test_a_used_run_folder_needs_resume_or_overwrite_and_resume_needs_the_same_f
     sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", max_examples=4))
     with pytest.raises(UserError, match="already holds a run: continue it with --resume"):
         sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", max_examples=4))
-    with pytest.raises(UserError, match="these differ: lr"):
+    with pytest.raises(UserError, match="these differ: --lr"):
         sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", max_examples=4, lr=0.5, resume=str(tmp_path / "sft")))
     (tmp_path / "sft" / "stale.txt").write_text("from the old run")
     result = sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", max_examples=4, overwrite=True))

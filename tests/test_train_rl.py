@@ -99,7 +99,7 @@ def test_resume_after_a_crash_replays_the_same_questions_and_weights(tiny_model_
 
 def test_resume_refuses_changed_flags(tiny_model_dir, tmp_path, parity):
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1))
-    with pytest.raises(ValueError, match="these differ: learning_rate"):
+    with pytest.raises(ValueError, match="these differ: --learning_rate"):
         train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2, learning_rate=0.5,
                                 resume=str(tmp_path / "run")))
 
