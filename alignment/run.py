@@ -59,6 +59,9 @@ class Run:
         if args.resume and not self.dir.is_dir():
             raise MissingFileError(f"--resume {self.dir}: " + ("a file, not a run folder." if self.dir.exists() else
                                                                 "no such run folder."))
+        if args.resume and (self.dir / STATE_FILE).exists():  # before the lock: nothing is written into it
+            raise UserError(f"--resume {self.dir} is a run's checkpoint folder: pass the run folder that holds it "
+                            f"(--resume {self.dir.parent}).")
         for flag, model in (("model", start_model), ("critic_model", getattr(args, "critic_model", None))):
             if model and Path(model).exists() and self.dir.resolve() in (Path(model).resolve(),
                                                                           *Path(model).resolve().parents):

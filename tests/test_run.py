@@ -207,3 +207,13 @@ def test_a_lock_that_is_not_a_file_ends_in_one_line(tmp_path):
     (tmp_path / "run" / ".lock").mkdir(parents=True)
     with pytest.raises(UserError, match="cannot open the run lock"):
         open_run(tmp_path / "run")
+
+
+def test_resume_of_the_checkpoint_folder_itself_names_the_run_folder_and_writes_nothing(tmp_path, tiny_model, tokenizer):
+    run = open_run(tmp_path / "run")
+    run.save(1, tiny_model, tokenizer, torch.optim.AdamW(tiny_model.parameters()))
+    before = sorted(p.name for p in run.checkpoint.iterdir())
+    with pytest.raises(UserError, match=f"is a run's checkpoint folder: pass the run folder that holds it \\(--resume "
+                                        f"{tmp_path / 'run'}\\)"):
+        Run(Flags(resume=str(run.checkpoint)), "unused", None)
+    assert sorted(p.name for p in run.checkpoint.iterdir()) == before  # no stray .lock
