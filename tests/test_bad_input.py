@@ -292,6 +292,12 @@ def test_a_vllm_context_too_short_for_the_prompts_is_refused_before_weights_load
         module.main(args)
 
 
+def interruptible():
+    """In the child: Ctrl-C as in a terminal, even where the tests run in a background job (nohup, `cmd &`), whose
+    children inherit SIGINT ignored (and a script then rightly leaves it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_ctrl_c_while_a_script_starts_ends_in_one_line(tmp_path):
     """`python -m alignment.<script>` interrupted while it still imports torch: one line, no traceback."""
     import subprocess
@@ -299,7 +305,7 @@ def test_a_ctrl_c_while_a_script_starts_ends_in_one_line(tmp_path):
     code = ("import sys; sys.argv = ['-m']; import alignment, os, signal, time; sys.argv = ['x']; "
             "os.kill(os.getpid(), signal.SIGINT); time.sleep(10)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[1], preexec_fn=interruptible)
     assert done.returncode == 130 and "Traceback" not in done.stderr
     assert done.stderr.strip() == "interrupted outside a training step: nothing was saved now (checkpoints saved " \
                                   "before are kept)."
@@ -314,7 +320,7 @@ def test_an_interrupt_delivered_twice_while_a_script_starts_ends_in_one_line(tmp
     code = ("import sys; sys.argv = ['-m']; import alignment, threading, time; sys.argv = ['x']; "
             "threading.Thread(target=time.sleep, args=(2,)).start(); print('ready', flush=True); time.sleep(30)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).resolve().parents[1])
+                             cwd=Path(__file__).resolve().parents[1], preexec_fn=interruptible)
     assert child.stdout.readline().strip() == "ready"
     child.send_signal(signal.SIGINT)
     time.sleep(0.3)
