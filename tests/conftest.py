@@ -70,3 +70,20 @@ def parity(monkeypatch):
     from alignment import train_rl
     monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (parity_reward, ()))
     monkeypatch.setattr(train_rl.tir, "tir_reward_fn", parity_reward)
+
+
+def hold_lock(folder):
+    """Another process holding `folder`'s run lock (alignment.run.lock_folder) until killed; returns it once held."""
+    import subprocess
+    import sys
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from alignment.run import lock_folder
+from pathlib import Path
+lock_folder(Path({str(folder)!r}))
+print("locked", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder

@@ -14,7 +14,7 @@ from alignment import evaluate, models, plot, sft, train_rl
 from alignment.args import AT_LEAST_ZERO, AT_MOST_ONE, POSITIVE, SCRIPTS, EvalArgs, RLArgs, SFTArgs, parse
 from alignment.errors import UserError
 from alignment.run import Run, read_jsonl
-from tests.conftest import parity_reward
+from tests.conftest import hold_lock, parity_reward
 from tests.test_sft import tiny_args as tiny_sft_args
 from tests.test_train_rl import tiny_args
 
@@ -346,17 +346,8 @@ def test_evaluate_refuses_a_training_runs_folder_and_one_another_evaluate_holds(
     with pytest.raises(UserError, match="is a training run's folder"):
         evaluate.main(EvalArgs(model=tiny_model_dir, limit=1, max_tokens=2, output_dir=str(run_dir), data_dir=data_dir))
     out = tmp_path / "eval"
-    holder = subprocess.Popen([sys.executable, "-c", f"""
-import sys, time
-sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
-from alignment.run import lock_folder
-from pathlib import Path
-lock_folder(Path({str(out)!r}))
-print("locked", flush=True)
-time.sleep(60)
-"""], stdout=subprocess.PIPE, text=True)
+    holder = hold_lock(out)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(UserError, match=f"{out} is being written by another run"):
             evaluate.main(EvalArgs(model=tiny_model_dir, limit=1, max_tokens=2, output_dir=str(out), data_dir=data_dir))
     finally:

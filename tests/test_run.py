@@ -12,6 +12,7 @@ from alignment import models
 from alignment.args import RunArgs
 from alignment.errors import MissingFileError, UserError
 from alignment.run import Run
+from tests.conftest import hold_lock
 
 
 @dataclass
@@ -96,19 +97,8 @@ def test_resume_restores_state_and_refuses_changed_flags(tmp_path, tiny_model, t
 def test_a_run_folder_is_locked_while_a_run_writes_it_and_released_when_its_process_ends(tmp_path):
     """Two runs started together on one folder: the second is refused while the first's process lives (an
     flock, held by another process here), and a killed holder blocks nothing."""
-    import subprocess
-    import sys
     folder = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", f"""
-import sys, time
-sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
-from alignment.run import lock_folder
-from pathlib import Path
-lock_folder(Path({str(folder)!r}))
-print("locked", flush=True)
-time.sleep(60)
-"""], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "locked"
+    holder = hold_lock(folder)
     with pytest.raises(UserError, match=f"{folder} is being written by another run \\(process {holder.pid}\\)"):
         open_run(folder)
     holder.kill()
