@@ -338,8 +338,6 @@ def test_a_seed_torch_cannot_take_is_refused_when_parsed(capsys):
 
 
 def test_evaluate_refuses_a_training_runs_folder_and_one_another_evaluate_holds(tiny_model_dir, tmp_path, data_dir):
-    import subprocess
-    import sys
     run_dir = tmp_path / "rl"
     run_dir.mkdir()
     (run_dir / "config.json").write_text(json.dumps({"script": "train_rl"}))
