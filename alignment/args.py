@@ -529,10 +529,12 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     """Supervised fine-tuning on reasoning traces (GSM8K reference solutions, or your own JSONL)."""
 
     model: str = arg("smollm2-135m", "policy to fine-tune: hub id, local HF folder or smollm2-135m (packaged, offline)")
-    train_file: str | None = arg(None, "JSONL of {prompt, response} pairs; default: GSM8K train in the r1_zero format")
+    dataset: str = arg("gsm8k", "training examples in the r1_zero format: gsm8k (its train split's reference solutions) or rg:<task> (worked solutions written step by step for reasoning-gym's basic_arithmetic or chain_sum, alignment/worked.py); questions of the evaluation set are left out")
+    train_file: str | None = arg(None, "JSONL of {prompt, response} pairs, instead of --dataset")
     data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
+    rg_size: int = arg(2000, "problems generated for an rg: dataset")
     max_examples: int = arg(320, "train on the first N examples (0: all); 320 fits ~20 min on 2 CPU cores")
-    max_response_tokens: int | None = arg(None, "keep only examples whose response is at most this many tokens (0: all; default: 100 for the GSM8K traces, all of a --train_file); short traces teach a 135M model to close its answer instead of looping (format 0.78 -> 0.88)")
+    max_response_tokens: int | None = arg(None, "keep only examples whose response is at most this many tokens (0: all; default: 100 for the GSM8K traces, all of a --train_file or an rg: task); short traces teach a 135M model to close its answer instead of looping (format 0.78 -> 0.88)")
     epochs: int = arg(1, "passes over the examples")
     batch_size: int = arg(4, "examples per optimizer step")
     microbatch_size: int = arg(4, "examples per forward/backward; gradient accumulation = batch_size / microbatch_size")
@@ -541,7 +543,7 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
     eval_every: int = arg(0, "evaluate every N steps (also before training and at the end); 0: only before and after")
-    eval_dataset: str = arg("gsm8k", "evaluation set (its test split, r1_zero prompt): gsm8k, a MATH-style set or rg:<task>")
+    eval_dataset: str | None = arg(None, "evaluation set (its test split, r1_zero prompt): gsm8k, a MATH-style set or rg:<task>; default: the test split of --dataset")
     eval_limit: int = arg(100, "problems per evaluation (0: no evaluation)")
     eval_max_tokens: int = arg(256, "maximum generated tokens per evaluation answer")
     eval_batch_size: int = arg(64, "sequences per generation batch during evaluation")
@@ -550,8 +552,12 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     seed: int = arg(0, "seed for data order and torch")
 
     def moot(self) -> dict[str, str]:
-        return {name: "with --eval_limit 0 (no evaluation)" for name in ("eval_every", "eval_dataset", "eval_max_tokens")
-                if not self.eval_limit}
+        no_eval = {name: "with --eval_limit 0 (no evaluation)" for name in ("eval_every", "eval_dataset", "eval_max_tokens")
+                   if not self.eval_limit}
+        own_file = {name: "with --train_file (its examples are the training data)" for name in ("dataset", "rg_size")
+                    if self.train_file}
+        generated = {} if self.dataset.startswith("rg:") else {"rg_size": f"with --dataset {self.dataset}"}
+        return {**generated, **no_eval, **own_file}
 
     def check(self):
         check_values(self)

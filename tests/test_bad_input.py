@@ -382,6 +382,8 @@ def test_answers_longer_than_the_models_context_are_refused_before_weights_load(
     (RLArgs, ["--critic_learning_rate", "1e-4"], "--critic_learning_rate 0.0001 has no effect outside --advantage_estimator gae"),
     (RLArgs, ["--kl_coef", "0", "--kl_estimator", "k2"], "--kl_estimator k2 has no effect with --kl_coef 0"),
     (SFTArgs, ["--eval_limit", "0", "--eval_dataset", "math500"], "--eval_dataset math500 has no effect with --eval_limit 0"),
+    (SFTArgs, ["--train_file", "x.jsonl", "--dataset", "rg:chain_sum"], "--dataset rg:chain_sum has no effect with --train_file"),
+    (SFTArgs, ["--rg_size", "100"], "--rg_size 100 has no effect with --dataset gsm8k"),
 ])
 def test_a_flag_that_another_flag_makes_moot_is_refused_not_dropped(cls, argv, moot, capsys):
     with pytest.raises(SystemExit):
@@ -392,4 +394,5 @@ def test_a_flag_that_another_flag_makes_moot_is_refused_not_dropped(cls, argv, m
 def test_flags_that_do_act_are_still_taken(capsys):
     assert parse(RLArgs, ["--advantage_estimator", "gae", "--gamma", "0.9", "--lam", "0.95"]).lam == 0.95
     assert parse(EvalArgs, ["--temperature", "0.6", "--top_p", "0.9"]).top_p == 0.9
+    assert parse(SFTArgs, ["--dataset", "rg:chain_sum", "--rg_size", "100"]).rg_size == 100
     assert parse(EvalArgs, ["--rollout_mode", "tir", "--prompt", "tir", "--tool_timeout", "3"]).tool_timeout == 3

@@ -1,0 +1,111 @@
+"""Worked solutions for procedural arithmetic: SFT data whose responses show the steps.
+
+A question of reasoning-gym's `basic_arithmetic` or `chain_sum` (`Calculate 12 + 34 - 5.`, `State the final
+answer to the following arithmetic problem: 12 + 34 - 5 =`) holds one flat expression of integers and
+`+ - * /`. Its worked solution does one operation per sentence, in the order arithmetic does them:
+multiplications and divisions first (left to right, then the expression that is left is restated), then
+additions and subtractions left to right, each on the previous result:
+
+    Calculate 7 + 6 * 5 - 9.  ->  " 6 * 5 = 30. So 7 + 30 - 9. 7 + 30 = 37. 37 - 9 = 28. </think> <answer> 28 </answer>"
+
+The text is this project's own; every step is exact integer arithmetic (`Fraction`, so a division that does not
+come out whole is refused rather than rounded), and the final value must equal the task's gold answer, checked
+with the project's grader, before a solution is used. Parentheses are not written out: a question that has them
+is refused in one line.
+"""
+
+import re
+from fractions import Fraction
+
+from alignment.drgrpo_grader import grade
+from alignment.errors import UserError
+
+TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/×÷]))")
+EXPRESSION = re.compile(r"(?:Calculate|problem:)\s*(.+?)\s*[.=]?\s*$", re.S)
+SYMBOL = {"×": "*", "÷": "/"}
+
+
+def parse_expression(question: str) -> list:
+    """`[12, "+", 34, "-", 5]` from a basic_arithmetic or chain_sum question; a negative number (`- -5`,
+    a leading `-5`) becomes one term. Anything else is refused with a sentence that names the question."""
+    match = EXPRESSION.search(question.strip())
+    text = match.group(1) if match else ""
+    terms, position = [], 0
+    while position < len(text):
+        token = TOKEN.match(text, position)
+        if not token:
+            raise UserError(f"no worked solution for {question!r}: write steps only for flat expressions of integers "
+                            f"and + - * / (reasoning-gym's basic_arithmetic with allow_parentheses=false, or "
+                            f"chain_sum).")
+        number, operator = token.groups()
+        position = token.end()
+        if number is not None:
+            terms.append(Fraction(int(number)))
+        elif operator == "-" and (not terms or isinstance(terms[-1], str)):
+            terms.append("neg")  # a unary minus: negates the next number
+        else:
+            terms.append(SYMBOL.get(operator, operator))
+    terms = _fold_negations(terms, question)
+    if len(terms) < 3 or len(terms) % 2 == 0 or any(isinstance(t, str) for t in terms[::2]) or \
+            any(not isinstance(t, str) for t in terms[1::2]):
+        raise UserError(f"no worked solution for {question!r}: it is not a flat expression of two or more numbers.")
+    return terms
+
+
+def _fold_negations(terms: list, question: str) -> list:
+    folded = []
+    for term in terms:
+        if folded and folded[-1] == "neg":
+            if isinstance(term, str):
+                raise UserError(f"no worked solution for {question!r}: a minus sign stands before an operator.")
+            folded[-1] = -term
+        else:
+            folded.append(term)
+    return folded
+
+
+def _show(value: Fraction) -> str:
+    return str(value.numerator)
+
+
+def _apply(a: Fraction, operator: str, b: Fraction, question: str) -> Fraction:
+    if operator == "/":
+        if b == 0 or (a / b).denominator != 1:
+            raise UserError(f"no worked solution for {question!r}: {_show(a)} / {_show(b)} is not a whole number.")
+        return a / b
+    return {"+": a + b, "-": a - b, "*": a * b}[operator]
+
+
+def _restate(terms: list) -> str:
+    return " ".join(term if isinstance(term, str) else _show(term) for term in terms)
+
+
+def worked_steps(question: str) -> tuple[list[str], Fraction]:
+    """The sentences of the solution and the final value."""
+    terms, steps = parse_expression(question), []
+    i = 1
+    while i < len(terms):  # multiplications and divisions first, left to right
+        if terms[i] in "*/":
+            value = _apply(terms[i - 1], terms[i], terms[i + 1], question)
+            steps.append(f"{_show(terms[i - 1])} {terms[i]} {_show(terms[i + 1])} = {_show(value)}.")
+            terms[i - 1:i + 2] = [value]
+        else:
+            i += 2
+    if steps and len(terms) > 1:
+        steps.append(f"So {_restate(terms)}.")
+    value = terms[0]
+    for operator, term in zip(terms[1::2], terms[2::2]):  # then additions and subtractions, left to right
+        result = _apply(value, operator, term, question)
+        steps.append(f"{_show(value)} {operator} {_show(term)} = {_show(result)}.")
+        value = result
+    return steps, value
+
+
+def worked_solution(row: dict) -> str:
+    """The r1_zero response for `row` ({question, answer}): the steps, then ` </think> <answer> gold </answer>`.
+    Refused in one line where the steps' value does not grade as the gold answer."""
+    steps, value = worked_steps(row["question"])
+    if not grade(_show(value), row["answer"]):
+        raise UserError(f"the worked solution of {row['question']!r} comes to {_show(value)}, not the task's answer "
+                        f"{row['answer']}; this task's questions are not read the way worked.py reads them.")
+    return f" {' '.join(steps)} </think> <answer> {row['answer']} </answer>"

@@ -1,0 +1,102 @@
+"""Worked solutions (alignment/worked.py): every step's arithmetic is right, the answer grades 1, the questions
+of an evaluation set never reach training, and the odd inputs are refused in one line."""
+
+import re
+
+import pytest
+
+from alignment import data, sft, train_rl, worked
+from alignment.args import RLArgs, SFTArgs
+from alignment.drgrpo_grader import r1_zero_reward_fn
+from alignment.errors import UserError
+
+STEP = re.compile(r"^(-?\d+) ([-+*/]) (-?\d+) = (-?\d+)\.$")
+TASKS = ("chain_sum:min_terms=2,max_terms=5,max_digits=2",
+         "chain_sum:min_terms=2,max_terms=4,min_digits=3,max_digits=3,allow_negation=true",
+         "basic_arithmetic:min_terms=2,max_terms=5,max_digits=2,operators=+-,allow_negation=true,allow_parentheses=false")
+
+
+def check_steps(question: str, response: str, answer: str):
+    """Re-do every sentence of `response` by hand: each `a op b = c.` is right, each chained step starts from
+    the previous result, and the last result is the answer."""
+    reasoning = response.split("</think>")[0].strip()
+    sentences = re.findall(r"[^.]+\.", reasoning)
+    assert "".join(sentences).replace(" ", "") == reasoning.replace(" ", "")
+    previous = None
+    for sentence in sentences:
+        sentence = sentence.strip()
+        if sentence.startswith("So "):
+            previous = None
+            continue
+        a, op, b, c = STEP.match(sentence).groups()
+        a, b, c = int(a), int(b), int(c)
+        assert c == {"+": a + b, "-": a - b, "*": a * b, "/": a // b if b and a % b == 0 else None}[op], sentence
+        if previous is not None and op in "+-":
+            assert a == previous, f"{sentence} does not start from {previous}"
+        previous = c
+    assert str(previous) == answer, (question, response)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_every_step_is_right_and_the_answer_grades_1(task):
+    rows = data.load_reasoning_gym(task, 300, seed=0)
+    for row in rows:
+        response = worked.worked_solution(row)
+        check_steps(row["question"], response, row["answer"])
+        assert r1_zero_reward_fn(response, row["answer"])["reward"] == 1.0
+    assert any(row["answer"].startswith("-") for row in rows)  # the signs are exercised
+
+
+def test_the_text_of_a_solution():
+    row = {"question": "State the final answer to the following arithmetic problem: 57 + 87 - 70 =", "answer": "74"}
+    assert worked.worked_solution(row) == " 57 + 87 = 144. 144 - 70 = 74. </think> <answer> 74 </answer>"
+    row = {"question": "Calculate 7 + 6 * 5 - 9.", "answer": "28"}  # precedence, then the rest restated
+    assert worked.worked_solution(row) == " 6 * 5 = 30. So 7 + 30 - 9. 7 + 30 = 37. 37 - 9 = 28. </think> <answer> 28 </answer>"
+    row = {"question": "Calculate -5 - -3.", "answer": "-2"}
+    assert worked.worked_solution(row) == " -5 - -3 = -2. </think> <answer> -2 </answer>"
+    check_steps("", " 6 * 5 = 30. So 7 + 30 - 9. 7 + 30 = 37. 37 - 9 = 28. </think>", "28")
+    with pytest.raises(AssertionError):  # the checker itself catches a wrong step
+        check_steps("", " 57 + 87 = 145. 145 - 70 = 75. </think>", "75")
+
+
+@pytest.mark.parametrize("question, answer, reason", [
+    ("Calculate (3 + 4) * 2.", "14", "flat expressions"),
+    ("Calculate 7 / 2.", "3.5", "not a whole number"),
+    ("Calculate 12.", "12", "two or more numbers"),
+    ("What is the capital of France?", "Paris", "not a flat expression"),
+    ("Calculate 5 - 33 - 65 - 62 * 51.", "-7905", "not the task's answer"),  # reasoning-gym's own answer for it
+])
+def test_what_has_no_worked_solution_is_refused_in_one_line(question, answer, reason):
+    with pytest.raises(UserError, match=reason):
+        worked.worked_solution({"question": question, "answer": answer})
+
+
+def test_sft_on_a_task_trains_on_worked_solutions_and_never_on_an_evaluation_question(tokenizer):
+    task = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"  # few distinct problems: train and test overlap
+    args = SFTArgs(dataset=task, rg_size=300, max_examples=0, eval_limit=50)
+    eval_rows = sft.load_eval_rows(args)
+    examples = sft.load_sft_examples(args, tokenizer, eval_rows)
+    questions = {data.format_prompt(data.load_prompt("r1_zero"), row["question"]) for row in eval_rows}
+    assert len(eval_rows) == 50 and 0 < len(examples) < 300
+    assert not questions & {e["prompt"] for e in examples}
+    assert all(e["response"].endswith(" </answer>") and " = " in e["response"] for e in examples)
+    assert len(sft.load_sft_examples(SFTArgs(dataset=task, rg_size=300, max_examples=0), tokenizer)) == 300
+
+
+def test_the_recipe_never_trains_on_a_question_it_evaluates_on():
+    """SFT on the easy settings, RL on the harder one, transfer one step harder: no evaluation question of either
+    RL difficulty is an SFT or an RL training question, under any of the three seeds."""
+    easy, hard, harder = (f"rg:chain_sum:min_terms={a},max_terms={b},max_digits=2" for a, b in ((2, 3), (4, 4), (5, 5)))
+    for seed in range(3):
+        sft_args = SFTArgs(dataset=easy, eval_dataset=hard, rg_size=2000, seed=seed)
+        rl_args = RLArgs(dataset=hard, rg_size=2000, seed=seed, eval_limit=100)
+        sft_questions = {row["question"] for row in data.load_dataset(easy, "train", size=2000, seed=seed)}
+        rl_train, rl_eval, _ = train_rl.load_questions(rl_args, log=lambda line: None)
+        transfer = data.load_dataset(harder, "test", size=100, seed=seed)
+        evaluated = {row["question"] for row in rl_eval + transfer + sft.load_eval_rows(sft_args)}
+        assert not evaluated & sft_questions and not evaluated & {row["question"] for row in rl_train}
+
+
+def test_sft_flags_that_do_not_apply_are_refused():
+    with pytest.raises(UserError, match="has no training solutions"):
+        sft.load_sft_examples(SFTArgs(dataset="math500"))
