@@ -1,6 +1,7 @@
 """Worked solutions (alignment/worked.py): every step's arithmetic is right, the answer grades 1, the questions
 of an evaluation set never reach training, and the odd inputs are refused in one line."""
 
+import json
 import re
 
 import pytest
@@ -92,11 +93,39 @@ def test_the_recipe_never_trains_on_a_question_it_evaluates_on():
         rl_args = RLArgs(dataset=hard, rg_size=2000, seed=seed, eval_limit=100)
         sft_questions = {row["question"] for row in data.load_dataset(easy, "train", size=2000, seed=seed)}
         rl_train, rl_eval, _ = train_rl.load_questions(rl_args, log=lambda line: None)
-        transfer = data.load_dataset(harder, "test", size=100, seed=seed)
-        evaluated = {row["question"] for row in rl_eval + transfer + sft.load_eval_rows(sft_args)}
+        by_evaluate = data.load_dataset(hard, "test", size=100) + data.load_dataset(harder, "test", size=100)  # seed 0
+        evaluated = {row["question"] for row in rl_eval + by_evaluate + sft.load_eval_rows(sft_args)}
         assert not evaluated & sft_questions and not evaluated & {row["question"] for row in rl_train}
 
 
 def test_sft_flags_that_do_not_apply_are_refused():
     with pytest.raises(UserError, match="has no training solutions"):
         sft.load_sft_examples(SFTArgs(dataset="math500"))
+
+
+def test_sft_then_rl_on_the_task_with_a_tiny_model(tiny_model_dir, tmp_path):
+    """The recipe's two training stages, 2 steps each: SFT on worked solutions of the easy setting, then RL from
+    that run folder on the harder one."""
+    from tests.test_sft import tiny_args as sft_args
+    from tests.test_train_rl import tiny_args as rl_args
+    easy, hard = "rg:chain_sum:min_terms=2,max_terms=3,max_digits=2", "rg:chain_sum:min_terms=4,max_terms=4,max_digits=2"
+    result = sft.main(sft_args(tiny_model_dir, tmp_path / "sft", dataset=easy, rg_size=40, eval_dataset=hard))
+    assert result["steps"] == 2 and result["last_eval"]["count"] == 2
+    rl = train_rl.main(rl_args(str(tmp_path / "sft"), tmp_path / "rl", dataset=hard, eval_every=2, eval_limit=2))
+    records = [json.loads(line) for line in open(tmp_path / "rl" / "metrics.jsonl")]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2] and rl is not None
+    assert json.loads((tmp_path / "rl" / "config.json").read_text())["start_model"] == str(tmp_path / "sft")
+
+
+@pytest.mark.slow
+def test_the_demo_driver_runs_every_stage_and_resumes(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+    command = [sys.executable, "bench/steps_demo.py", "--model", tiny_model_dir, "--seeds", "0", "--sft_examples", "16",
+               "--rl_steps", "1", "--limit", "2", "--out", str(tmp_path / "demo")]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    table = (tmp_path / "demo" / "steps_demo.md").read_text()
+    assert "| 0 |" in table and "after RL" in (tmp_path / "demo" / "samples.md").read_text()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=900)  # every stage kept
+    assert again.returncode == 0 and again.stdout.count("done, kept") == 7, again.stdout

@@ -1,0 +1,181 @@
+"""SFT then RL teach SmolLM2-135M to add and subtract a chain of numbers step by step, on 2 CPU cores.
+
+    uv run python bench/steps_demo.py --seeds 0 1 2        # the recipe, three seeds (~50 min a seed on 2 cores)
+    uv run python bench/steps_demo.py --seeds 0 --rl_steps 2 --sft_examples 16 --limit 10   # a quick check
+
+Task: reasoning-gym's chain_sum, numbers of up to two digits joined by + and - (`57 + 87 - 70 - 95`), so
+answers go negative. Per seed, each stage a plain command (printed as it starts, its output in <out>/<stage>.log):
+1. `alignment.sft --dataset rg:chain_sum` on 2-3 numbers: worked solutions written step by step
+   (`57 + 87 = 144. 144 - 70 = 74.`, alignment/worked.py);
+2. `alignment.train_rl` (GRPO-clip, the defaults) from that checkpoint on 4 numbers, evaluated greedily every
+   5 steps on 100 held-out questions of that difficulty (the seed's test split; its questions are left out);
+3. `alignment.evaluate`, greedy, on the same 100 held-out questions for every stage and seed (the test split
+   of seed 0): the trained difficulty (4 numbers) and one step harder (5 numbers, transfer), for the start
+   model (once), the SFT checkpoint and the RL checkpoint.
+A stage that finished is kept, one that was interrupted continues (`--resume`), so running the same command
+again picks up where it stopped. Writes <out>/steps_demo.md (the table: answer rate, mean response tokens,
+wall time per stage) and <out>/samples.md (answers to the same questions after SFT and after RL).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TASK = "rg:chain_sum:min_terms={0},max_terms={1},max_digits=2"
+SFT_TASK, RL_TASK, TRANSFER_TASK = TASK.format(2, 3), TASK.format(4, 4), TASK.format(5, 5)
+MAX_TOKENS = "96"  # a 5-number solution is ~60 tokens
+
+
+def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int) -> list[str]:
+    return ["-m", "alignment.sft", "--model", model, "--dataset", SFT_TASK, "--max_examples", str(examples), "--batch_size", "8",
+            "--microbatch_size", "8", "--eval_dataset", RL_TASK, "--eval_limit", str(limit), "--eval_max_tokens",
+            MAX_TOKENS, "--no_eval_before_train", "--seed", str(seed), "--output_dir", str(run_dir)]
+
+
+def rl_command(seed: int, run_dir: Path, sft_dir: Path, steps: int, limit: int) -> list[str]:
+    return ["-m", "alignment.train_rl", "--model", str(sft_dir), "--dataset", RL_TASK, "--n_steps", str(steps),
+            "--eval_every", "5", "--eval_limit", str(limit), "--sampling_max_tokens", MAX_TOKENS, "--eval_max_tokens",
+            MAX_TOKENS, "--save_every", "1", "--seed", str(seed), "--output_dir", str(run_dir)]
+
+
+def eval_command(model: str, task: str, out_dir: Path, limit: int) -> list[str]:
+    return ["-m", "alignment.evaluate", "--model", model, "--dataset", task, "--limit", str(limit), "--max_tokens",
+            MAX_TOKENS, "--output_dir", str(out_dir)]
+
+
+def stage(name: str, command: list[str], out: Path, done: bool, resumable: Path | None = None) -> float | None:
+    """Run `python <command>` unless `done`; its wall time in seconds (None when kept from before). A
+    training stage with a checkpoint continues with --resume."""
+    times_path = out / "times.json"
+    times = json.loads(times_path.read_text()) if times_path.exists() else {}
+    if done:
+        print(f"[steps_demo] {name}: done, kept", flush=True)
+        return times.get(name)
+    if resumable is not None and (resumable / "checkpoint" / "trainer_state.pt").exists():
+        command = command[:2] + ["--resume", str(resumable)]  # its own flags come from the checkpoint
+    elif "--output_dir" in command:  # a training run that saved nothing, or an evaluation cut short: start again
+        shutil.rmtree(command[command.index("--output_dir") + 1], ignore_errors=True)
+    print(f"[steps_demo] {name}: uv run python {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    with open(out / f"{name}.log", "a") as log:
+        subprocess.run([sys.executable, *command], check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    times[name] = times.get(name, 0.0) + time.perf_counter() - start  # a resumed stage adds its parts
+    times_path.write_text(json.dumps(times, indent=1))
+    return times[name]
+
+
+def finished(run_dir: Path, step_key: str, last: int) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.exists() and any(json.loads(line).get(step_key) == last for line in open(metrics)) and \
+        (run_dir / "checkpoint" / "config.json").exists()
+
+
+def summary(eval_dir: Path) -> dict:
+    return json.loads((eval_dir / "summary.json").read_text())
+
+
+def run_seed(seed: int, args, out: Path) -> dict:
+    sft_dir, rl_dir = out / f"sft-seed{seed}", out / f"rl-seed{seed}"
+    sft_steps = args.sft_examples // 8
+    seconds = {"sft": stage(f"sft-seed{seed}", sft_command(args.model, seed, sft_dir, args.sft_examples, args.limit), out,
+                            finished(sft_dir, "step", sft_steps), sft_dir)}
+    for task_name, task in (("trained", RL_TASK), ("transfer", TRANSFER_TASK)):
+        name = f"eval-sft-seed{seed}-{task_name}"
+        seconds[name] = stage(name, eval_command(str(sft_dir), task, out / name, args.limit), out,
+                              (out / name / "summary.json").exists())
+    seconds["rl"] = stage(f"rl-seed{seed}", rl_command(seed, rl_dir, sft_dir, args.rl_steps, args.limit), out,
+                          finished(rl_dir, "step", args.rl_steps), rl_dir)
+    for task_name, task in (("trained", RL_TASK), ("transfer", TRANSFER_TASK)):
+        name = f"eval-rl-seed{seed}-{task_name}"
+        seconds[name] = stage(name, eval_command(str(rl_dir), task, out / name, args.limit), out,
+                              (out / name / "summary.json").exists())
+    curve = [(r["step"], r["eval_avg_answer_rewards"]) for r in map(json.loads, open(rl_dir / "metrics.jsonl"))
+             if "eval_avg_answer_rewards" in r]
+    return {"seed": seed, "seconds": seconds, "curve": curve,
+            **{f"{model}_{task}": summary(out / f"eval-{model}-seed{seed}-{task}")
+               for model in ("sft", "rl") for task in ("trained", "transfer")}}
+
+
+def write_table(rows: list[dict], base: dict, out: Path, args):
+    def cell(s: dict) -> str:
+        return f"{s['avg_answer_rewards']:.2f} ({s['mean_response_tokens']:.0f} tok)"
+    lines = [f"Greedy answer rate on {args.limit} held-out questions (mean response tokens); trained difficulty: "
+             f"{RL_TASK}, transfer: {TRANSFER_TASK}; SFT on {SFT_TASK} ({args.sft_examples} worked solutions), RL "
+             f"{args.rl_steps} steps of GRPO-clip.", "",
+             "| seed | start model (4 / 5 numbers) | after SFT: 4 numbers | after RL: 4 numbers | RL gain | after SFT: "
+             "5 numbers | after RL: 5 numbers | wall: SFT + RL (+ evaluations) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        s = r["seconds"]
+        train = (s["sft"] or 0) + (s["rl"] or 0)
+        evals = sum(v or 0 for k, v in s.items() if k.startswith("eval"))
+        gain = r["rl_trained"]["avg_answer_rewards"] - r["sft_trained"]["avg_answer_rewards"]
+        lines.append(f"| {r['seed']} | {base['trained']['avg_answer_rewards']:.2f} / "
+                     f"{base['transfer']['avg_answer_rewards']:.2f} | {cell(r['sft_trained'])} | {cell(r['rl_trained'])} "
+                     f"| {gain:+.2f} | {cell(r['sft_transfer'])} | {cell(r['rl_transfer'])} | {train / 60:.1f} min "
+                     f"(+{evals / 60:.1f}) |")
+    if len(rows) > 1:
+        gains = [r["rl_trained"]["avg_answer_rewards"] - r["sft_trained"]["avg_answer_rewards"] for r in rows]
+        lines += ["", f"RL gain on the trained difficulty, mean over seeds: {statistics.mean(gains):+.3f} "
+                      f"(range {min(gains):+.2f} to {max(gains):+.2f})."]
+    lines += ["", "In-run evaluation (train_rl, every 5 steps, the seed's own held-out split): "
+              + "; ".join(f"seed {r['seed']}: " + ", ".join(f"{step}: {rate:.2f}" for step, rate in r["curve"])
+                          for r in rows)]
+    (out / "steps_demo.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def write_samples(rows: list[dict], out: Path, count: int = 3):
+    """The first `count` held-out answers of the trained difficulty, after SFT and after RL, per seed."""
+    lines = []
+    for r in rows:
+        for model in ("sft", "rl"):
+            records = [json.loads(line) for line in open(out / f"eval-{model}-seed{r['seed']}-trained" / "results.jsonl")]
+            lines.append(f"### seed {r['seed']}, after {model.upper()}")
+            lines += [f"- {rec['prompt'].split('problem: ')[-1].splitlines()[0]} (gold {rec['ground_truth']}, reward "
+                      f"{rec['reward']:.0f}): `{rec['response'].strip()}`" for rec in records[:count]]
+    (out / "samples.md").write_text("\n".join(lines) + "\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
+    parser.add_argument("--sft_examples", type=int, default=960, help="worked solutions in SFT (8 per step)")
+    parser.add_argument("--rl_steps", type=int, default=20, help="RL steps (32 answers each)")
+    parser.add_argument("--limit", type=int, default=100, help="held-out questions per evaluation")
+    parser.add_argument("--out", default=str(ROOT / "outputs" / "steps_demo"), help="folder for every stage")
+    args = parser.parse_args()
+    if args.sft_examples < 8 or args.sft_examples % 8:
+        parser.error("--sft_examples must be a positive multiple of 8 (one SFT step takes 8)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
+    try:
+        base = {}
+        for task_name, task in (("trained", RL_TASK), ("transfer", TRANSFER_TASK)):
+            name = f"eval-start-{task_name}"
+            stage(name, eval_command(args.model, task, out / name, args.limit), out,
+                  (out / name / "summary.json").exists())
+            base[task_name] = summary(out / name)
+        rows = [run_seed(seed, args, out) for seed in args.seeds]
+    except KeyboardInterrupt:
+        sys.exit("[steps_demo] interrupted: a training stage keeps its last checkpoint; run the same command again "
+                 "to continue")
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"[steps_demo] a stage ended with exit status {e.returncode}: see its .log in {out}")
+    write_table(rows, base, out, args)
+    write_samples(rows, out)
+    print(f"[steps_demo] wrote {out / 'steps_demo.md'} and {out / 'samples.md'}; plot the RL runs with "
+          f"`uv run -m alignment.plot {' '.join(str(out / f'rl-seed{s}') for s in args.seeds)} --out <png>`")
+
+
+if __name__ == "__main__":
+    main()
