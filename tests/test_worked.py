@@ -128,4 +128,4 @@ def test_the_demo_driver_runs_every_stage_and_resumes(tiny_model_dir, tmp_path):
     table = (tmp_path / "demo" / "steps_demo.md").read_text()
     assert "| 0 |" in table and "after RL" in (tmp_path / "demo" / "samples.md").read_text()
     again = subprocess.run(command, capture_output=True, text=True, timeout=900)  # every stage kept
-    assert again.returncode == 0 and again.stdout.count("done, kept") == 7, again.stdout
+    assert again.returncode == 0 and again.stdout.count("done, kept") == 8, again.stdout
