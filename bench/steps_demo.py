@@ -5,13 +5,13 @@
 
 Task: reasoning-gym's chain_sum, numbers of up to two digits joined by + and - (`57 + 87 - 70 - 95`), so
 answers go negative. Per seed, each stage a plain command (printed as it starts, its output in <out>/<stage>.log):
-1. `alignment.sft --dataset rg:chain_sum` on 2-3 numbers: worked solutions written step by step
+1. `alignment.sft --dataset rg:chain_sum` on 2-4 numbers: worked solutions written step by step
    (`57 + 87 = 144. 144 - 70 = 74.`, alignment/worked.py);
-2. `alignment.train_rl` (GRPO-clip, the defaults) from that checkpoint on 4 numbers, evaluated greedily every
+2. `alignment.train_rl` (GRPO-clip, the defaults) from that checkpoint on 5 numbers, evaluated greedily every
    5 steps on 100 held-out questions of that difficulty (the seed's test split; its questions are left out);
 3. `alignment.evaluate`, greedy, on the same 100 held-out questions for every stage and seed (the test split
-   of seed 0): the trained difficulty (4 numbers) and one step harder (5 numbers, transfer), for the start
-   model (once), the SFT checkpoint and the RL checkpoint.
+   of seed 0): the trained difficulty (5 numbers) and one step harder (6 numbers, transfer), for the SFT
+   checkpoint, the RL checkpoint and (once, after the seeds) the start model.
 A stage that finished is kept, one that was interrupted continues (`--resume`), so running the same command
 again picks up where it stopped. Writes <out>/steps_demo.md (the table: answer rate, mean response tokens,
 wall time per stage) and <out>/samples.md (answers to the same questions after SFT and after RL).
@@ -29,8 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = "rg:chain_sum:min_terms={0},max_terms={1},max_digits=2"
-SFT_TASK, RL_TASK, TRANSFER_TASK = TASK.format(2, 3), TASK.format(4, 4), TASK.format(5, 5)
-MAX_TOKENS = "96"  # a 5-number solution is ~60 tokens
+SFT_TASK, RL_TASK, TRANSFER_TASK = TASK.format(2, 4), TASK.format(5, 5), TASK.format(6, 6)
+MAX_TOKENS = "128"  # a 6-number solution is ~85 tokens
 
 
 def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int) -> list[str]:
@@ -109,8 +109,8 @@ def write_table(rows: list[dict], base: dict, out: Path, args):
     lines = [f"Greedy answer rate on {args.limit} held-out questions (mean response tokens); trained difficulty: "
              f"{RL_TASK}, transfer: {TRANSFER_TASK}; SFT on {SFT_TASK} ({args.sft_examples} worked solutions), RL "
              f"{args.rl_steps} steps of GRPO-clip.", "",
-             "| seed | start model (4 / 5 numbers) | after SFT: 4 numbers | after RL: 4 numbers | RL gain | after SFT: "
-             "5 numbers | after RL: 5 numbers | wall: SFT + RL (+ evaluations) |",
+             "| seed | start model (5 / 6 numbers) | after SFT: 5 numbers | after RL: 5 numbers | RL gain | after SFT: "
+             "6 numbers | after RL: 6 numbers | wall: SFT + RL (+ evaluations) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         s = r["seconds"]
@@ -159,13 +159,13 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
     try:
-        base = {}
+        rows = [run_seed(seed, args, out) for seed in args.seeds]
+        base = {}  # the start model, the same for every seed: measured once, last
         for task_name, task in (("trained", RL_TASK), ("transfer", TRANSFER_TASK)):
             name = f"eval-start-{task_name}"
             stage(name, eval_command(args.model, task, out / name, args.limit), out,
                   (out / name / "summary.json").exists())
             base[task_name] = summary(out / name)
-        rows = [run_seed(seed, args, out) for seed in args.seeds]
     except KeyboardInterrupt:
         sys.exit("[steps_demo] interrupted: a training stage keeps its last checkpoint; run the same command again "
                  "to continue")

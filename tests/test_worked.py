@@ -1,8 +1,10 @@
 """Worked solutions (alignment/worked.py): every step's arithmetic is right, the answer grades 1, the questions
 of an evaluation set never reach training, and the odd inputs are refused in one line."""
 
+import importlib.util
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,9 @@ from alignment.args import RLArgs, SFTArgs
 from alignment.drgrpo_grader import r1_zero_reward_fn
 from alignment.errors import UserError
 
+ROOT = Path(__file__).resolve().parents[1]
+demo = importlib.util.module_from_spec(importlib.util.spec_from_file_location("steps_demo", ROOT / "bench" / "steps_demo.py"))
+demo.__spec__.loader.exec_module(demo)  # the demo's tasks, so the tests check the recipe that runs
 STEP = re.compile(r"^(-?\d+) ([-+*/]) (-?\d+) = (-?\d+)\.$")
 TASKS = ("chain_sum:min_terms=2,max_terms=5,max_digits=2",
          "chain_sum:min_terms=2,max_terms=4,min_digits=3,max_digits=3,allow_negation=true",
@@ -85,9 +90,9 @@ def test_sft_on_a_task_trains_on_worked_solutions_and_never_on_an_evaluation_que
 
 
 def test_the_recipe_never_trains_on_a_question_it_evaluates_on():
-    """SFT on the easy settings, RL on the harder one, transfer one step harder: no evaluation question of either
+    """SFT on the easier settings, RL on a harder one, transfer one step harder: no evaluation question of either
     RL difficulty is an SFT or an RL training question, under any of the three seeds."""
-    easy, hard, harder = (f"rg:chain_sum:min_terms={a},max_terms={b},max_digits=2" for a, b in ((2, 3), (4, 4), (5, 5)))
+    easy, hard, harder = demo.SFT_TASK, demo.RL_TASK, demo.TRANSFER_TASK
     for seed in range(3):
         sft_args = SFTArgs(dataset=easy, eval_dataset=hard, rg_size=2000, seed=seed)
         rl_args = RLArgs(dataset=hard, rg_size=2000, seed=seed, eval_limit=100)
@@ -108,7 +113,7 @@ def test_sft_then_rl_on_the_task_with_a_tiny_model(tiny_model_dir, tmp_path):
     that run folder on the harder one."""
     from tests.test_sft import tiny_args as sft_args
     from tests.test_train_rl import tiny_args as rl_args
-    easy, hard = "rg:chain_sum:min_terms=2,max_terms=3,max_digits=2", "rg:chain_sum:min_terms=4,max_terms=4,max_digits=2"
+    easy, hard = demo.SFT_TASK, demo.RL_TASK
     result = sft.main(sft_args(tiny_model_dir, tmp_path / "sft", dataset=easy, rg_size=40, eval_dataset=hard))
     assert result["steps"] == 2 and result["last_eval"]["count"] == 2
     rl = train_rl.main(rl_args(str(tmp_path / "sft"), tmp_path / "rl", dataset=hard, eval_every=2, eval_limit=2))
