@@ -137,6 +137,12 @@ def load_reasoning_gym(spec: str, size: int, seed: int) -> list[dict]:
         if not eq:
             raise UserError(f"rg:{spec}: write task options as key=value, e.g. rg:chain_sum:max_terms=3.")
         config[key.strip()] = _option_value(value.strip())
+    if task == "basic_arithmetic" and config.get("allow_parentheses") is False and \
+            set(str(config.get("operators", "+-*/"))) & set("*/"):
+        # reasoning-gym 0.1.19 evaluates such a chain left to right, not * and / first, and may print another
+        # divisor than it divides by: a third of the answers disagree with the printed question
+        raise UserError(f"rg:{spec}: reasoning-gym's basic_arithmetic without parentheses gets * and / wrong "
+                        f"(left to right, no precedence); use operators=+- or allow_parentheses=true.")
     try:
         generated = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
     except (KeyError, ValueError) as e:

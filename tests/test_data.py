@@ -108,10 +108,22 @@ def test_reasoning_gym_tasks_with_options_are_seeded_and_split():
 
 @pytest.mark.parametrize("name,message", [("rg:chain_sum:max_terms", "key=value"),
                                           ("rg:chain_sum:colour=red", "rejected the options"),
-                                          ("rg:no_such_task", "has no task")])
+                                          ("rg:no_such_task", "has no task"),
+                                          ("rg:basic_arithmetic:allow_parentheses=false", "gets \\* and / wrong"),
+                                          ("rg:basic_arithmetic:operators=+*,allow_parentheses=false", "no precedence")])
 def test_bad_reasoning_gym_specs_say_what_to_do(name, message):
     with pytest.raises(ValueError, match=message):
         data.load_dataset(name, size=2)
+
+
+def test_basic_arithmetic_without_parentheses_is_refused_only_where_its_answers_are_wrong():
+    """reasoning-gym evaluates an unparenthesised chain left to right: `2 + 3 * 4` comes out 20. The refused
+    settings do disagree with the printed question; the kept ones agree."""
+    kept = data.load_dataset("rg:basic_arithmetic:operators=+-,allow_parentheses=false", size=50)
+    assert all(eval(r["question"][len("Calculate "):].rstrip(".")) == int(r["answer"]) for r in kept)
+    import reasoning_gym
+    wrong = reasoning_gym.create_dataset("basic_arithmetic", size=50, seed=0, operators="+-*", allow_parentheses=False)
+    assert any(eval(item["question"][len("Calculate "):].rstrip(".")) != int(item["answer"]) for item in wrong)
 
 
 def test_a_users_own_file_is_to_be_fixed_not_downloaded(tmp_path):
