@@ -35,8 +35,8 @@ def parse_expression(question: str) -> list:
         token = TOKEN.match(text, position)
         if not token:
             raise UserError(f"no worked solution for {question!r}: write steps only for flat expressions of integers "
-                            f"and + - * / (reasoning-gym's basic_arithmetic with allow_parentheses=false, or "
-                            f"chain_sum).")
+                            f"and + - * / (reasoning-gym's chain_sum, or basic_arithmetic with operators=+- and "
+                            f"allow_parentheses=false).")
         number, operator = token.groups()
         position = token.end()
         if number is not None:
