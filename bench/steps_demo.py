@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from alignment.worked import parse_expression
+
 ROOT = Path(__file__).resolve().parent.parent
 TASK = "rg:chain_sum:min_terms={0},max_terms={1},max_digits=2"
 SFT_TASK, RL_TASK, TRANSFER_TASK = TASK.format(2, 4), TASK.format(5, 5), TASK.format(6, 6)
@@ -78,7 +80,13 @@ def finished(run_dir: Path, step_key: str, last: int) -> bool:
 
 
 def summary(eval_dir: Path) -> dict:
-    return json.loads((eval_dir / "summary.json").read_text())
+    """The evaluation's summary, and `steps_written`: the share of answers that write one `a op b = c.` step
+    per operation of their question (RL must not win by guessing the number without the steps)."""
+    records = [json.loads(line) for line in open(eval_dir / "results.jsonl")]
+    operations = [len(parse_expression(r["prompt"].split("User: ")[-1].split("\nAssistant:")[0])) // 2 for r in records]
+    written = [r["response"].split("</think>")[0].count(" = ") for r in records]
+    return {**json.loads((eval_dir / "summary.json").read_text()),
+            "steps_written": statistics.mean(w == n for w, n in zip(written, operations))}
 
 
 def run_seed(seed: int, args, out: Path) -> dict:
@@ -105,8 +113,9 @@ def run_seed(seed: int, args, out: Path) -> dict:
 
 def write_table(rows: list[dict], base: dict, out: Path, args):
     def cell(s: dict) -> str:
-        return f"{s['avg_answer_rewards']:.2f} ({s['mean_response_tokens']:.0f} tok)"
-    lines = [f"Greedy answer rate on {args.limit} held-out questions (mean response tokens); trained difficulty: "
+        return f"{s['avg_answer_rewards']:.2f} ({s['mean_response_tokens']:.0f} tok, {s['steps_written']:.0%} all steps)"
+    lines = [f"Greedy answer rate on {args.limit} held-out questions (mean response tokens; share of answers that "
+             f"write every step, one `a op b = c.` per operation); trained difficulty: "
              f"{RL_TASK}, transfer: {TRANSFER_TASK}; SFT on {SFT_TASK} ({args.sft_examples} worked solutions), RL "
              f"{args.rl_steps} steps of GRPO-clip.", "",
              "| seed | start model (5 / 6 numbers) | after SFT: 5 numbers | after RL: 5 numbers | RL gain | after SFT: "
