@@ -3,8 +3,9 @@
     uv run python bench/steps_demo.py --seeds 0 1 2        # the recipe, three seeds (~50 min a seed on 2 cores)
     uv run python bench/steps_demo.py --seeds 0 --rl_steps 2 --sft_examples 16 --limit 10   # a quick check
 
-Task: reasoning-gym's chain_sum, numbers of up to two digits joined by + and - (`57 + 87 - 70 - 95`), so
-answers go negative. Per seed, each stage a plain command (printed as it starts, its output in <out>/<stage>.log):
+Task: reasoning-gym's chain_sum, one-digit numbers joined by + and - (`8 - 2 + 7 + 9 - 2`), so running totals
+cross zero. (With numbers of up to two digits, 135M's arithmetic was the wall: after SFT 0.24 on 5 numbers,
+and RL's sampled groups rarely had a right answer; docs/results.md.) Per seed, each stage a plain command (printed as it starts, its output in <out>/<stage>.log):
 1. `alignment.sft --dataset rg:chain_sum` on 2-4 numbers: worked solutions written step by step
    (`57 + 87 = 144. 144 - 70 = 74.`, alignment/worked.py);
 2. `alignment.train_rl` (GRPO-clip, the defaults) from that checkpoint on 5 numbers, evaluated greedily every
@@ -30,9 +31,9 @@ from pathlib import Path
 from alignment.worked import parse_expression
 
 ROOT = Path(__file__).resolve().parent.parent
-TASK = "rg:chain_sum:min_terms={0},max_terms={1},max_digits=2"
+TASK = "rg:chain_sum:min_terms={0},max_terms={1},max_digits=1"
 SFT_TASK, RL_TASK, TRANSFER_TASK = TASK.format(2, 4), TASK.format(5, 5), TASK.format(6, 6)
-MAX_TOKENS = "128"  # a 6-number solution is ~85 tokens
+MAX_TOKENS = "128"  # a 6-number solution is ~60 tokens; room for one that runs on
 
 
 def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int) -> list[str]:
