@@ -27,7 +27,7 @@ def arg(default, help: str, choices: tuple | None = None, group: str | None = No
 # The --help sections, in order, by field name (a name means the same thing in every script). A field not named
 # here is listed under the first line of its dataclass's docstring (the rollout modes, for instance).
 GROUPS = {
-    "model and data": ("model", "dataset", "eval_dataset", "split", "data_dir", "rg_size", "train_file",
+    "model and data": ("model", "dataset", "eval_dataset", "split", "data_dir", "rg_size", "worked_style", "train_file",
                        "max_examples", "max_response_tokens", "limit", "prompt", "chat_template", "seed"),
     "sampling": ("n_samples", "temperature", "top_p", "max_tokens", "group_size", "rollout_batch_size",
                  "sampling_temperature", "sampling_top_p", "sampling_max_tokens", "sampling_min_tokens", "filter_low",
@@ -533,6 +533,7 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     train_file: str | None = arg(None, "JSONL of {prompt, response} pairs, instead of --dataset")
     data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
     rg_size: int = arg(2000, "problems generated for an rg: dataset")
+    worked_style: str = arg("chain", "how an rg: task's worked solutions are written: chain (`8 - 2 = 6. 6 + 7 = 13.`) or rewrite (`8 - 2 + 7 = 6 + 7 = 13.`, the expression again after each operation)", ("chain", "rewrite"))
     max_examples: int = arg(320, "train on the first N examples (0: all); 320 fits ~20 min on 2 CPU cores")
     max_response_tokens: int | None = arg(None, "keep only examples whose response is at most this many tokens (0: all; default: 100 for the GSM8K traces, all of a --train_file or an rg: task); short traces teach a 135M model to close its answer instead of looping (format 0.78 -> 0.88)")
     epochs: int = arg(1, "passes over the examples")
@@ -554,9 +555,10 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     def moot(self) -> dict[str, str]:
         no_eval = {name: "with --eval_limit 0 (no evaluation)" for name in ("eval_every", "eval_dataset", "eval_max_tokens")
                    if not self.eval_limit}
-        own_file = {name: "with --train_file (its examples are the training data)" for name in ("dataset", "rg_size")
+        own_file = {name: "with --train_file (its examples are the training data)" for name in ("dataset", "rg_size", "worked_style")
                     if self.train_file}
-        generated = {} if self.dataset.startswith("rg:") else {"rg_size": f"with --dataset {self.dataset}"}
+        generated = {} if self.dataset.startswith("rg:") else {name: f"with --dataset {self.dataset}"
+                                                               for name in ("rg_size", "worked_style")}
         return {**generated, **no_eval, **own_file}
 
     def check(self):

@@ -63,7 +63,7 @@ def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = ())
     elif args.dataset.startswith("rg:"):
         held_out = {row["question"] for row in eval_rows}
         rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
-        examples = [{"prompt": data.format_prompt(template, row["question"]), "response": worked_solution(row)}
+        examples = [{"prompt": data.format_prompt(template, row["question"]), "response": worked_solution(row, args.worked_style)}
                     for row in rows if row["question"] not in held_out]
     else:
         raise UserError(f"--dataset {args.dataset} has no training solutions; SFT trains on gsm8k, an rg:<task> "

@@ -8,6 +8,9 @@ additions and subtractions left to right, each on the previous result:
 
     Calculate 7 + 6 * 5 - 9.  ->  " 6 * 5 = 30. So 7 + 30 - 9. 7 + 30 = 37. 37 - 9 = 28. </think> <answer> 28 </answer>"
 
+`rewrite` (`sft --worked_style rewrite`) writes the whole expression again after each operation instead:
+` 7 + 6 * 5 - 9 = 7 + 30 - 9 = 37 - 9 = 28.`, so each step reads only the one before it.
+
 The text is this project's own; every step is exact integer arithmetic (`Fraction`, so a division that does not
 come out whole is refused rather than rounded), and the final value must equal the task's gold answer, checked
 with the project's grader, before a solution is used. Parentheses are not written out: a question that has them
@@ -101,10 +104,27 @@ def worked_steps(question: str) -> tuple[list[str], Fraction]:
     return steps, value
 
 
-def worked_solution(row: dict) -> str:
-    """The r1_zero response for `row` ({question, answer}): the steps, then ` </think> <answer> gold </answer>`.
-    Refused in one line where the steps' value does not grade as the gold answer."""
-    steps, value = worked_steps(row["question"])
+def rewritten_steps(question: str) -> tuple[list[str], Fraction]:
+    """The `rewrite` style: the whole expression again after each operation, the first `*` or `/` done first,
+    else the first `+` or `-` (`8 - 2 + 7 = 6 + 7 = 13.`): each step reads only the line before it, and the
+    solution ends where one number is left, however long the chain."""
+    terms = parse_expression(question)
+    lines = [_restate(terms)]
+    while len(terms) > 1:
+        i = next((i for i in range(1, len(terms), 2) if terms[i] in "*/"), 1)
+        terms[i - 1:i + 2] = [_apply(terms[i - 1], terms[i], terms[i + 1], question)]
+        lines.append(_restate(terms))
+    return [" = ".join(lines) + "."], terms[0]
+
+
+STYLES = {"chain": worked_steps, "rewrite": rewritten_steps}
+
+
+def worked_solution(row: dict, style: str = "chain") -> str:
+    """The r1_zero response for `row` ({question, answer}) in `style` (`chain`: one `a op b = c.` per operation;
+    `rewrite`: the expression rewritten after each), then ` </think> <answer> gold </answer>`. Refused in one
+    line where the steps' value does not grade as the gold answer."""
+    steps, value = STYLES[style](row["question"])
     if not grade(_show(value), row["answer"]):
         raise UserError(f"the worked solution of {row['question']!r} comes to {_show(value)}, not the task's answer "
                         f"{row['answer']}; this task's questions are not read the way worked.py reads them.")

@@ -384,6 +384,7 @@ def test_answers_longer_than_the_models_context_are_refused_before_weights_load(
     (SFTArgs, ["--eval_limit", "0", "--eval_dataset", "math500"], "--eval_dataset math500 has no effect with --eval_limit 0"),
     (SFTArgs, ["--train_file", "x.jsonl", "--dataset", "rg:chain_sum"], "--dataset rg:chain_sum has no effect with --train_file"),
     (SFTArgs, ["--rg_size", "100"], "--rg_size 100 has no effect with --dataset gsm8k"),
+    (SFTArgs, ["--worked_style", "rewrite"], "--worked_style rewrite has no effect with --dataset gsm8k"),
 ])
 def test_a_flag_that_another_flag_makes_moot_is_refused_not_dropped(cls, argv, moot, capsys):
     with pytest.raises(SystemExit):

@@ -43,6 +43,27 @@ def check_steps(question: str, response: str, answer: str):
     assert str(previous) == answer, (question, response)
 
 
+def check_rewrites(question: str, response: str, answer: str):
+    """Each `=`-separated expression of a rewrite-style solution has the question's value and one operation
+    fewer than the one before, and the last is the answer."""
+    expressions = response.split("</think>")[0].strip().rstrip(".").split(" = ")
+    assert expressions[0].replace(" ", "") in question.replace(" ", "")
+    values = [eval(e.replace("--", "+ ")) for e in expressions]
+    assert len(set(values)) == 1 and str(values[-1]) == answer == expressions[-1], (question, response)
+    operations = [len(worked.parse_expression(f"Calculate {e}.")) // 2 if " " in e.strip() else 0 for e in expressions]
+    assert operations == list(range(operations[0], -1, -1)), response
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_rewrite_style_steps_are_right(task):
+    for row in data.load_reasoning_gym(task, 200, seed=1):
+        check_rewrites(row["question"], worked.worked_solution(row, "rewrite"), row["answer"])
+    assert worked.worked_solution({"question": "Calculate 7 + 6 * 5 - 9.", "answer": "28"}, "rewrite") == \
+        " 7 + 6 * 5 - 9 = 7 + 30 - 9 = 37 - 9 = 28. </think> <answer> 28 </answer>"
+    with pytest.raises(AssertionError):  # the checker catches a skipped or wrong rewrite
+        check_rewrites("Calculate 8 - 2 + 7.", " 8 - 2 + 7 = 13. </think>", "13")
+
+
 @pytest.mark.parametrize("task", TASKS)
 def test_every_step_is_right_and_the_answer_grades_1(task):
     rows = data.load_reasoning_gym(task, 300, seed=0)
@@ -87,6 +108,8 @@ def test_sft_on_a_task_trains_on_worked_solutions_and_never_on_an_evaluation_que
     assert not questions & {e["prompt"] for e in examples}
     assert all(e["response"].endswith(" </answer>") and " = " in e["response"] for e in examples)
     assert len(sft.load_sft_examples(SFTArgs(dataset=task, rg_size=300, max_examples=0), tokenizer)) == 300
+    rewrites = sft.load_sft_examples(SFTArgs(dataset=task, rg_size=300, max_examples=5, worked_style="rewrite"), tokenizer)
+    assert all(e["response"].count(" = ") == 1 and e["response"].startswith(" ") for e in rewrites)  # 2 numbers: 1 step
 
 
 def test_the_recipe_never_trains_on_a_question_it_evaluates_on():
