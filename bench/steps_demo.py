@@ -7,7 +7,7 @@ Task: reasoning-gym's chain_sum, one-digit numbers joined by + and - (`8 - 2 + 7
 cross zero. (With numbers of up to two digits, 135M's arithmetic was the wall: after SFT 0.24 on 5 numbers,
 and RL's sampled groups rarely had a right answer; docs/results.md.) Per seed, each stage a plain command (printed as it starts, its output in <out>/<stage>.log):
 1. `alignment.sft --dataset rg:chain_sum` on 2-4 numbers: worked solutions written step by step
-   (`57 + 87 = 144. 144 - 70 = 74.`, alignment/worked.py);
+   (`8 - 2 = 6. 6 + 7 = 13.`, alignment/worked.py; `--worked_style rewrite`: `8 - 2 + 7 = 6 + 7 = 13.`);
 2. `alignment.train_rl` (GRPO-clip, the defaults) from that checkpoint on 5 numbers, evaluated greedily every
    5 steps on 100 held-out questions of that difficulty (the seed's test split; its questions are left out);
 3. `alignment.evaluate`, greedy, on the same 100 held-out questions for every stage and seed (the test split
@@ -36,8 +36,8 @@ SFT_TASK, RL_TASK, TRANSFER_TASK = TASK.format(2, 4), TASK.format(5, 5), TASK.fo
 MAX_TOKENS = "128"  # a 6-number solution is ~60 tokens; room for one that runs on
 
 
-def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int) -> list[str]:
-    return ["-m", "alignment.sft", "--model", model, "--dataset", SFT_TASK, "--max_examples", str(examples), "--batch_size", "8",
+def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int, style: str) -> list[str]:
+    return ["-m", "alignment.sft", "--model", model, "--dataset", SFT_TASK, "--worked_style", style, "--max_examples", str(examples), "--batch_size", "8",
             "--microbatch_size", "8", "--eval_dataset", RL_TASK, "--eval_limit", str(limit), "--eval_max_tokens",
             MAX_TOKENS, "--no_eval_before_train", "--seed", str(seed), "--output_dir", str(run_dir)]
 
@@ -93,13 +93,14 @@ def summary(eval_dir: Path) -> dict:
 def run_seed(seed: int, args, out: Path) -> dict:
     sft_dir, rl_dir = out / f"sft-seed{seed}", out / f"rl-seed{seed}"
     sft_steps = args.sft_examples // 8
-    seconds = {"sft": stage(f"sft-seed{seed}", sft_command(args.model, seed, sft_dir, args.sft_examples, args.limit), out,
+    seconds = {"sft": stage(f"sft-seed{seed}", sft_command(args.model, seed, sft_dir, args.sft_examples, args.limit, args.worked_style), out,
                             finished(sft_dir, "step", sft_steps), sft_dir)}
     for task_name, task in (("trained", RL_TASK), ("transfer", TRANSFER_TASK)):
         name = f"eval-sft-seed{seed}-{task_name}"
         seconds[name] = stage(name, eval_command(str(sft_dir), task, out / name, args.limit), out,
                               (out / name / "summary.json").exists())
-    seconds["rl"] = stage(f"rl-seed{seed}", rl_command(seed, rl_dir, sft_dir, args.rl_steps, args.limit), out,
+    seconds["rl"] = stage(f"rl-seed{seed}", rl_command(seed, rl_dir, sft_dir, args.rl_steps, args.limit)
+                          + args.rl_flags.split(), out,
                           finished(rl_dir, "step", args.rl_steps), rl_dir)
     for task_name, task in (("trained", RL_TASK), ("transfer", TRANSFER_TASK)):
         name = f"eval-rl-seed{seed}-{task_name}"
@@ -118,7 +119,8 @@ def write_table(rows: list[dict], base: dict, out: Path, args):
     lines = [f"Greedy answer rate on {args.limit} held-out questions (mean response tokens; share of answers that "
              f"write every step, one `a op b = c.` per operation); trained difficulty: "
              f"{RL_TASK}, transfer: {TRANSFER_TASK}; SFT on {SFT_TASK} ({args.sft_examples} worked solutions), RL "
-             f"{args.rl_steps} steps of GRPO-clip.", "",
+             f"{args.rl_steps} steps of GRPO-clip{' ' + args.rl_flags if args.rl_flags else ''}; worked style "
+             f"{args.worked_style}.", "",
              "| seed | start model (5 / 6 numbers) | after SFT: 5 numbers | after RL: 5 numbers | RL gain | after SFT: "
              "6 numbers | after RL: 6 numbers | wall: SFT + RL (+ evaluations) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -160,6 +162,9 @@ def main():
     parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
     parser.add_argument("--sft_examples", type=int, default=960, help="worked solutions in SFT (8 per step)")
     parser.add_argument("--rl_steps", type=int, default=20, help="RL steps (32 answers each)")
+    parser.add_argument("--worked_style", choices=("chain", "rewrite"), default="chain",
+                        help="how SFT's solutions are written (sft --worked_style); both count one `=` per operation")
+    parser.add_argument("--rl_flags", default="", help="more train_rl flags, e.g. '--group_size_max 16 --learning_rate 1e-4'")
     parser.add_argument("--limit", type=int, default=100, help="held-out questions per evaluation")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "steps_demo"), help="folder for every stage")
     args = parser.parse_args()
