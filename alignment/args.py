@@ -526,7 +526,7 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
 
 @dataclass
 class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
-    """Supervised fine-tuning on reasoning traces (GSM8K reference solutions, or your own JSONL)."""
+    """Supervised fine-tuning on reasoning traces (GSM8K reference solutions, worked solutions of a reasoning-gym arithmetic task, or your own JSONL)."""
 
     model: str = arg("smollm2-135m", "policy to fine-tune: hub id, local HF folder or smollm2-135m (packaged, offline)")
     dataset: str = arg("gsm8k", "training examples in the r1_zero format: gsm8k (its train split's reference solutions) or rg:<task> (worked solutions written step by step for reasoning-gym's basic_arithmetic or chain_sum, alignment/worked.py); questions of the evaluation set are left out")
