@@ -422,12 +422,15 @@ def _clip_and_step(model, optimizer, max_grad_norm: float, train: _Means, name: 
 
 def _log_line(m: dict, n_steps: int) -> str:
     seconds = " ".join(f"{k[8:]} {v:.1f}s" for k, v in m.items() if k.startswith("seconds_"))
-    return (f"step {m['step']}/{n_steps} | reward {m['reward']:.3f} | fmt {m['format_reward']:.2f} | "
-            f"ans {m['answer_reward']:.2f} | len {m['response_tokens']:.0f} | loss {m.get('loss', float('nan')):.4f} | "
-            f"clip {m.get('clip_fraction', 0):.3f} | ent {m.get('entropy', float('nan')):.2f} | "
-            f"gnorm {m.get('grad_norm', float('nan')):.2f} | kl {m.get('kl', 0):.4f} | "
-            f"mismatch {m.get('sampler_logprob_diff', float('nan')):.1e} | is {m.get('rollout_is_weight_mean', 1):.3f} "
-            f"cut {m.get('rollout_is_clipped_fraction', 0):.3f} | {seconds}")
+    head = (f"step {m['step']}/{n_steps} | reward {m['reward']:.3f} | fmt {m['format_reward']:.2f} | "
+            f"ans {m['answer_reward']:.2f} | len {m['response_tokens']:.0f} | ")
+    if "loss" not in m:  # the filters kept no group in any sampling round: the weights did not change
+        return head + (f"no update: no group kept in {m['sampling_rounds']:.0f} sampling round(s) "
+                       f"(--max_sampling_rounds) | {seconds}")
+    return head + (f"loss {m['loss']:.4f} | clip {m.get('clip_fraction', 0):.3f} | ent {m.get('entropy', float('nan')):.2f} | "
+                   f"gnorm {m.get('grad_norm', float('nan')):.2f} | kl {m.get('kl', 0):.4f} | "
+                   f"mismatch {m.get('sampler_logprob_diff', float('nan')):.1e} | is {m.get('rollout_is_weight_mean', 1):.3f} "
+                   f"cut {m.get('rollout_is_clipped_fraction', 0):.3f} | {seconds}")
 
 
 if __name__ == "__main__":

@@ -289,6 +289,15 @@ def test_dynamic_sampling_filters_on_accuracy_and_refills_the_batch(tiny_model_d
     assert len(prompts) == 2 * args.log_rollouts
 
 
+def test_a_step_whose_filters_keep_no_group_says_it_made_no_update(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train_rl, "make_scorer", lambda args: plus_minus_one_by_sample(lambda call, k: False))
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, filter_low=0.2, max_sampling_rounds=2))
+    [m] = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert m["kept_traces"] == 0 and m["sampling_rounds"] == 2 and "loss" not in m and "grad_norm" not in m
+    out = capsys.readouterr().out
+    assert "no update: no group kept in 2 sampling round(s)" in out and "nan" not in out
+
+
 def test_trace_length_normaliser_and_logged_means_count_only_trained_tokens(tiny_model_dir, tmp_path, parity, monkeypatch):
     standard = experience.ROLLOUT_MODES["standard"]
 
