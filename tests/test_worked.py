@@ -150,7 +150,7 @@ def test_the_demo_driver_runs_every_stage_and_resumes(tiny_model_dir, tmp_path):
     import subprocess
     import sys
     command = [sys.executable, "bench/steps_demo.py", "--model", tiny_model_dir, "--seeds", "0", "--sft_examples", "16",
-               "--rl_steps", "1", "--limit", "2", "--out", str(tmp_path / "demo")]
+               "--rl_steps", "1", "--limit", "2", "--rl_backend", "hf", "--out", str(tmp_path / "demo")]
     first = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     table = (tmp_path / "demo" / "steps_demo.md").read_text()
