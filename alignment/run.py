@@ -74,8 +74,7 @@ class Run:
         self._lock = lock_folder(self.dir) if self.main else None  # held until this process ends
         self.state = self._resume_state(set(resumable) | ALWAYS_RESUMABLE) if args.resume else None
         if not args.resume and _holds_a_run(self.dir) and not args.overwrite:
-            raise UserError(f"{self.dir} already holds a run: continue it with --resume {self.dir}, start over with "
-                            f"--overwrite, or choose another --output_dir.")
+            raise UserError(self._used_folder())
         distributed.barrier()
         # the model the run started from: the KL reference in RL, and what a resume reports
         self.start_model = self.state["start_model"] if self.state else start_model
@@ -157,7 +156,8 @@ class Run:
         if (self.checkpoint / STATE_FILE).exists():
             return (f"stopped at once: the step in progress is lost; the last checkpoint is kept: continue with "
                     f"--resume {self.dir}")
-        return f"stopped at once, before the first checkpoint: nothing in {self.dir} can be resumed"
+        return (f"stopped at once, before the first checkpoint: nothing in {self.dir} can be resumed (start again "
+                f"with --overwrite)")
 
     def stop_requested(self) -> bool:
         """Whether a signal asked the run to stop, on any rank (a collective under torchrun: all stop together)."""
@@ -180,6 +180,17 @@ class Run:
         random.setstate(self.state["python_rng"])
         self.say(f"[run] resumed from {self.checkpoint} at step {self.start_step}")
         return self.state
+
+    def _used_folder(self) -> str:
+        """Why a new run may not start in a used folder, and only the ways on that work from there."""
+        owner = _config(self.dir).get("script") or self.script
+        other = "" if owner == self.script else f" of alignment.{owner}"
+        if not any((self.dir / name / STATE_FILE).exists() for name in ("checkpoint", "checkpoint.old")):
+            return (f"{self.dir} already holds a run{other} that stopped before its first checkpoint (nothing in it "
+                    f"can be resumed): start over with --overwrite, or choose another --output_dir.")
+        resume = f"--resume {self.dir}" if not other else f"`uv run -m alignment.{owner} --resume {self.dir}`"
+        return (f"{self.dir} already holds a run{other}: continue it with {resume}, start over with --overwrite, "
+                f"or choose another --output_dir.")
 
     def _resume_state(self, resumable: set) -> dict:
         owner = _config(self.dir).get("script")

@@ -11,7 +11,7 @@ import torch
 from alignment import models
 from alignment.args import RunArgs
 from alignment.errors import MissingFileError, UserError
-from alignment.run import Run
+from alignment.run import STATE_FILE, Run
 from tests.conftest import hold_lock
 
 
@@ -43,7 +43,12 @@ def test_a_new_run_writes_its_config_and_metrics_as_strict_json(tmp_path):
 
 
 def test_a_used_folder_is_refused_unless_resumed_or_overwritten(tmp_path):
-    open_run(tmp_path / "run").log({"step": 1})
+    open_run(tmp_path / "run").log({"step": 1})  # stopped before its first checkpoint: --resume is no way on
+    with pytest.raises(UserError, match=f"{tmp_path / 'run'} already holds a run that stopped before its first "
+                                        r"checkpoint \(nothing in it can be resumed\): start over with --overwrite"):
+        open_run(tmp_path / "run")
+    (tmp_path / "run" / "checkpoint").mkdir()
+    (tmp_path / "run" / "checkpoint" / STATE_FILE).write_bytes(b"")
     with pytest.raises(UserError, match=f"{tmp_path / 'run'} already holds a run: continue it with --resume"):
         open_run(tmp_path / "run")
     (tmp_path / "other").mkdir()
@@ -140,6 +145,24 @@ def test_one_press_delivered_twice_is_one_and_no_message_claims_a_missing_checkp
     (run.checkpoint / "trainer_state.pt").write_bytes(b"")
     with pytest.raises(KeyboardInterrupt, match=f"the last checkpoint is kept: continue with --resume {tmp_path / 'run'}"):
         run._on_signal(signal.SIGINT, None)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_sends_the_user_to_overwrite_never_in_a_circle(tmp_path):
+    """Stopped at once before step 1 saved: starting again names --overwrite (not --resume, which has nothing to
+    go on from), and following that advice starts the run."""
+    import signal
+    run = open_run(tmp_path / "run")
+    run.log({"step": 0, "eval_accuracy": 0.1})
+    run._on_signal(signal.SIGINT, None)
+    run.signal_time -= 5  # a real second press
+    with pytest.raises(KeyboardInterrupt, match="nothing in .* can be resumed \\(start again with --overwrite\\)"):
+        run._on_signal(signal.SIGINT, None)
+    with pytest.raises(UserError) as refused:
+        open_run(tmp_path / "run")
+    assert "--resume" not in str(refused.value) and "--overwrite" in str(refused.value)
+    with pytest.raises(MissingFileError, match="has no trainer_state.pt"):  # what --resume would have said
+        open_run(tmp_path / "run", resume=str(tmp_path / "run"))
+    assert open_run(tmp_path / "run", overwrite=True).metrics() == []
 
 
 def test_resume_takes_the_flags_left_out_from_the_run_itself(tmp_path):
