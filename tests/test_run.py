@@ -165,6 +165,18 @@ def test_a_run_stopped_before_its_first_checkpoint_sends_the_user_to_overwrite_n
     assert open_run(tmp_path / "run", overwrite=True).metrics() == []
 
 
+def test_a_used_folder_of_another_script_names_that_scripts_resume(tmp_path):
+    run = open_run(tmp_path / "run")
+    run.log({"step": 1})
+    (run.checkpoint).mkdir()
+    (run.checkpoint / STATE_FILE).write_bytes(b"")
+    config = json.loads((run.dir / "config.json").read_text())
+    (run.dir / "config.json").write_text(json.dumps({**config, "script": "sft"}))
+    with pytest.raises(UserError, match=f"already holds a run of alignment.sft: continue it with `uv run -m "
+                                        f"alignment.sft --resume {run.dir}`"):
+        open_run(tmp_path / "run")
+
+
 def test_resume_takes_the_flags_left_out_from_the_run_itself(tmp_path):
     """`--resume DIR` alone continues the run with the flags it was started with (its run_config.json), as the
     stop message says; flags given on the command line are kept (the step count; a changed one is refused later)."""
