@@ -71,6 +71,11 @@ class Run:
             raise UserError(f"{self.dir} holds files that are not a run of this project's scripts"
                             f"{' (--overwrite deletes only run folders)' if args.overwrite else ''}: choose another "
                             f"--output_dir.")
+        foreign = sorted(p.name for p in self.dir.iterdir() if p.name not in RUN_FILES) if self.dir.is_dir() else []
+        if args.overwrite and foreign and _config(self.dir):
+            raise UserError(f"{self.dir} holds files no run writes ({', '.join(foreign[:5])}"
+                            f"{', ...' if len(foreign) > 5 else ''}): --overwrite deletes only what a run wrote; move "
+                            f"them out or choose another --output_dir.")
         self._lock = lock_folder(self.dir) if self.main else None  # held until this process ends
         self.state = self._resume_state(set(resumable) | ALWAYS_RESUMABLE) if args.resume else None
         if not args.resume and _holds_a_run(self.dir) and not args.overwrite:
@@ -238,6 +243,9 @@ def _holds_a_run(folder: Path) -> bool:
 
 LOCK_FILE = ".lock"
 WRITE_PROBE = ".write-test"
+# what a run writes into its folder: --overwrite deletes these and refuses a folder that holds anything else
+RUN_FILES = {"config.json", "metrics.jsonl", "rollouts.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old",
+             "tensorboard", "wandb", LOCK_FILE, WRITE_PROBE}
 
 
 def lock_folder(folder: Path):
@@ -271,10 +279,12 @@ _HELD: dict = {}  # run folders this process has locked: folder -> its open .loc
 
 
 def _config(folder: Path) -> dict:
+    """The config.json a run wrote (its flags, output_dir and start_model), else {}: a model's config.json is not one."""
     try:
-        return json.loads((folder / "config.json").read_text())
+        config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return {}
+    return config if isinstance(config, dict) and {"output_dir", "start_model"} <= config.keys() else {}
 
 
 class _NullLogger:

@@ -165,6 +165,24 @@ def test_a_run_stopped_before_its_first_checkpoint_sends_the_user_to_overwrite_n
     assert open_run(tmp_path / "run", overwrite=True).metrics() == []
 
 
+def test_overwrite_deletes_only_what_a_run_wrote(tmp_path):
+    """A model folder's config.json is not a run's; a run folder the user added files to is refused, not emptied."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (model / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(UserError, match="holds files that are not a run"):
+        open_run(model, overwrite=True)
+    run = open_run(tmp_path / "run")
+    run.log({"step": 1})
+    (run.dir / "notes.txt").write_text("mine")
+    (run.dir / "mydata").mkdir()
+    with pytest.raises(UserError, match=r"holds files no run writes \(mydata, notes.txt\): --overwrite deletes only"):
+        open_run(tmp_path / "run", overwrite=True)
+    assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]
+    assert {"notes.txt", "mydata", "metrics.jsonl"} <= {p.name for p in run.dir.iterdir()}
+
+
 def test_a_used_folder_of_another_script_names_that_scripts_resume(tmp_path):
     run = open_run(tmp_path / "run")
     run.log({"step": 1})

@@ -152,9 +152,12 @@ def test_a_used_run_folder_needs_resume_or_overwrite_and_resume_needs_the_same_f
         sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", max_examples=4))
     with pytest.raises(UserError, match="these differ: --lr"):
         sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", max_examples=4, lr=0.5, resume=str(tmp_path / "sft")))
-    (tmp_path / "sft" / "stale.txt").write_text("from the old run")
+    (tmp_path / "sft" / "notes.txt").write_text("the user's, not the run's")
+    with pytest.raises(UserError, match=r"holds files no run writes \(notes.txt\)"):  # never deleted
+        sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", max_examples=4, overwrite=True))
+    (tmp_path / "sft" / "notes.txt").unlink()
     result = sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", max_examples=4, overwrite=True))
-    assert result["start_step"] == 0 and not (tmp_path / "sft" / "stale.txt").exists()
+    assert result["start_step"] == 0
     lines = (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)] == [1]  # the new run's only
 
