@@ -71,8 +71,9 @@ class Run:
             raise UserError(f"{self.dir} holds files that are not a run of this project's scripts"
                             f"{' (--overwrite deletes only run folders)' if args.overwrite else ''}: choose another "
                             f"--output_dir.")
-        foreign = sorted(p.name for p in self.dir.iterdir() if p.name not in RUN_FILES) if self.dir.is_dir() else []
-        if args.overwrite and foreign and _config(self.dir):
+        foreign = sorted(p.name for p in self.dir.iterdir() if p.name not in RUN_FILES) if args.overwrite and \
+            _config(self.dir) else []
+        if foreign:
             raise UserError(f"{self.dir} holds files no run writes ({', '.join(foreign[:5])}"
                             f"{', ...' if len(foreign) > 5 else ''}): --overwrite deletes only what a run wrote; move "
                             f"them out or choose another --output_dir.")
