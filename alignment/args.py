@@ -217,6 +217,7 @@ def to_dict(args) -> dict:
 # Sums of two numbers of up to two digits from reasoning-gym (offline, seeded): the CPU default RL task.
 # Advantage estimators that give each token its own advantage (one row per trace; whitened over the batch).
 MAX_GROWTH = 32  # adaptive groups: a pool holds at most this many times --group_size (31 growth rounds a step)
+MAX_SAMPLING_ROUNDS = 32  # dynamic sampling: a step samples at most this many batches of questions
 TOKEN_LEVEL_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 PROMPTS = ("r1_zero", "question_only", "tir")  # alignment/prompts/*.prompt, each with its reward (evaluate.py)
 DEFAULT_RL_TASK = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=2,operators=+,allow_negation=false,allow_parentheses=false"
@@ -355,6 +356,13 @@ class EvalArgs(SamplerArgs, RolloutArgs):
             raise ValueError("--max_tokens must be positive.")
 
 
+def no_periodic_eval(args) -> dict[str, str]:
+    """RL and EI: what --eval_every 0 makes moot. Not --eval_dataset and --eval_limit: their questions are still
+    held out of training (the start line says so)."""
+    return {} if args.eval_every else {name: "with --eval_every 0 (no evaluation)"
+                                       for name in ("eval_before_train", "eval_max_tokens", "eval_batch_size")}
+
+
 @dataclass
 class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
     """Policy-gradient RL on math questions: REINFORCE, REINFORCE with a group baseline, GRPO-clip, GSPO; advantages from group normalisation, RLOO, REINFORCE++ or PPO's GAE with a critic."""
@@ -403,7 +411,7 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
     filter_low: float | None = arg(None, "dynamic sampling: drop groups whose accuracy (answer reward) is below this (ZeroTIR: 0.2; 0 drops only all-equal groups); groups with equal rewards are always dropped then")
     filter_high: float | None = arg(None, "dynamic sampling: drop groups whose accuracy is above this (ZeroTIR: 0.8)")
     group_size_max: int = arg(0, "adaptive groups (Reinforce-Ada, balanced): above --group_size n, a question whose pool holds fewer than n/2 right or n - n/2 wrong answers is sampled again, n more per round, until it holds both or has this many (at most 32 x n: 31 growth rounds); it trains on n of them (n/2 right, n - n/2 wrong where it can), with the baseline from all of them (alignment/adaptive.py); 0: fixed groups")
-    max_sampling_rounds: int = arg(3, "dynamic sampling: rounds of fresh questions per step to fill the batch with kept groups (DAPO's refill)")
+    max_sampling_rounds: int = arg(3, f"dynamic sampling: rounds of fresh questions per step to fill the batch with kept groups (DAPO's refill), 1 to {MAX_SAMPLING_ROUNDS}; each further round prints a line, and a Ctrl-C between rounds gives the step up (synchronous loop)")
     sampling_temperature: float = arg(1.0, "temperature for rollouts; the loss scores softmax(logits / T), the distribution sampled")
     sampling_top_p: float = arg(1.0, "nucleus mass for rollouts; below 1 the loss still scores the full softmax at T, so the gradient is biased (a warning says so)")
     sampling_max_tokens: int = arg(128, "most generated tokens per response (standard and tir modes)")
@@ -437,7 +445,7 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
         if self.advantage_estimator not in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
             gae["gamma"] = f"outside gae and reinforce_pp (this run's --advantage_estimator is {self.advantage_estimator})"
         kl = {name: "with --kl_coef 0 (no KL term)" for name in ("kl_estimator", "kl_in_reward")} if not self.kl_coef else {}
-        return {**super().moot(), **gae, **kl}
+        return {**super().moot(), **gae, **kl, **no_periodic_eval(self)}
 
     def check(self):
         check_values(self)
@@ -514,8 +522,10 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
         if self.group_size_max and self.kl_in_reward:
             raise ValueError("--group_size_max takes the baseline from rewards of samples that are not trained on, "
                              "whose KL penalty is unknown: drop --kl_in_reward (--kl_coef in the loss works).")
-        if self.max_sampling_rounds < 1:
-            raise ValueError("--max_sampling_rounds must be at least 1.")
+        if not 1 <= self.max_sampling_rounds <= MAX_SAMPLING_ROUNDS:
+            raise ValueError(f"--max_sampling_rounds must be from 1 to {MAX_SAMPLING_ROUNDS}: a step whose filters keep "
+                             f"too few groups samples at most that many batches of questions before it trains on "
+                             f"what it kept.")
         if self.save_every < 1:
             raise ValueError("--save_every must be at least 1: RL checkpoints every N steps and at the end.")
         if self.eval_every and not self.eval_limit:
@@ -619,6 +629,9 @@ class EIArgs(RunArgs, SamplerArgs):
     @property
     def rollout_batch_size(self) -> int:
         return self.questions_per_step * self.group_size
+
+    def moot(self) -> dict[str, str]:
+        return no_periodic_eval(self)
 
     def check(self):
         if self.prompt not in ("r1_zero", "question_only"):

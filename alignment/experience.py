@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from alignment import adaptive, distributed, lora, tir
 from alignment.args import TOKEN_LEVEL_ESTIMATORS
@@ -133,11 +134,19 @@ def questions_at(rows: list[dict], position: int, count: int, seed: int) -> list
     return picked
 
 
-def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, score) -> tuple[Batch, int]:
+class SamplingStopped(Exception):
+    """A stop (Ctrl-C, SIGTERM) was asked for while dynamic sampling refilled a step's batch: the step is
+    given up before any update, so the policy is the one the last finished step left."""
+
+
+def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, score,
+                     stopping=lambda: False) -> tuple[Batch, int]:
     """Sample, score and (with dynamic sampling) filter groups for one step; returns the batch and the
     new stream position. DAPO's refill (section 3.2): while fewer than rollout_batch_size / group_size
     informative groups were kept, draw that many more questions, up to --max_sampling_rounds rounds;
-    the kept groups are cut to one batch. Rewards are logged over every sampled trace.
+    the kept groups are cut to one batch. Rewards are logged over every sampled trace. Each further round
+    prints a line; where `stopping()` turns true before a further round, the step is given up
+    (`SamplingStopped`) rather than trained on a batch the uninterrupted run would not have had.
 
     Under torchrun each rank samples its own share of each round's questions (whole groups, so group
     normalisation stays local), with its own seeds; a round is the last when every rank has its share of
@@ -200,8 +209,17 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
             raw_rewards.append(raw[i])
             if adaptive_groups and i % n == 0:
                 kept_pools.append(torch.tensor([s["reward"] for s in pools[i // n]], dtype=torch.float32))
-        if not filtering or distributed.global_min(len(kept) >= wanted):
+        if not filtering or sampling_round == args.max_sampling_rounds:
             break
+        short, asked_to_stop = distributed.global_sums([len(kept) < wanted, stopping()])  # one collective a round
+        if not short:  # every rank holds its share
+            break
+        if asked_to_stop:  # any rank's stop stops all
+            raise SamplingStopped(f"stopped in step {step + 1}'s sampling round {sampling_round}")
+        if distributed.rank() == 0:
+            tqdm.write(f"[rl] step {step + 1}: {len(kept)} of {wanted} traces kept after sampling round {sampling_round}"
+                       f"; round {sampling_round + 1} of at most {args.max_sampling_rounds} (--max_sampling_rounds) "
+                       f"samples {questions} more questions")
     kept, raw_rewards, kept_pools = kept[:wanted], raw_rewards[:wanted], kept_pools[:wanted // args.group_size]
     metrics = {key: sum(m[key] for m in metas) / len(metas) for key in metas[0]}  # rounds are of equal size
     metrics = {"reward": metrics.pop("reward_mean"), "format_reward": metrics.get("format_reward_mean", 0.0),

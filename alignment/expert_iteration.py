@@ -85,6 +85,7 @@ def main(args: EIArgs) -> dict:
         raise UserError("expert iteration runs in one process: start it with `uv run -m alignment.expert_iteration`, "
                         "not torchrun.")
     run = Run(args, f"checkpoints/ei/ei-{time.strftime('%Y%m%d-%H%M%S')}", start_model(args), RESUMABLE_CHANGES)
+    run.refuse_finished(args.n_ei_steps, "--n_ei_steps")
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     # Data first: a bad dataset fails before a minute of model loading.

@@ -84,6 +84,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if path.is_dir():
         raise UserError(f"{path} is a folder, not a file; pass a run folder written by alignment.train_rl, "
                         f"alignment.expert_iteration or alignment.sft.")
+    if not path.exists() and (run_dir / "config.json").is_file():  # a run started, nothing logged yet
+        raise MissingFileError(f"{run_dir} holds a run that has logged no step yet (no metrics.jsonl): plot it once "
+                               f"it has trained a step or evaluated.")
     if not path.exists():
         raise MissingFileError(f"{path} does not exist; pass a run folder written by alignment.train_rl, "
                                f"alignment.expert_iteration or alignment.sft.")

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from alignment import distributed, models
 from alignment.args import SCRIPTS, to_dict
-from alignment.errors import MissingFileError, UserError
+from alignment.errors import MissingFileError, StoppedAtOnce, UserError
 
 STATE_FILE = "trainer_state.pt"
 SAME_PRESS_SECONDS = 1.0  # signals of one kind this close together are one press (uv forwards what the group got)
@@ -100,6 +100,13 @@ class Run:
             (self.dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
             self.logger = _make_logger(args.logger, self.dir, config)
 
+    def refuse_finished(self, total: int, flag: str):
+        """A resumed run whose checkpoint is already at its last step trains nothing: say so and what to do."""
+        if self.state and self.start_step >= total:
+            raise UserError(f"{self.dir} has finished: its checkpoint is at step {self.start_step} of {total}, so "
+                            f"--resume has nothing to train; raise {flag} (now {getattr(self.args, flag[2:])}) to "
+                            f"train further, or evaluate it: uv run -m alignment.evaluate --model {self.dir}")
+
     @property
     def weights(self) -> str:
         """Where the policy's weights come from: the checkpoint when resuming, else the starting model."""
@@ -152,7 +159,7 @@ class Run:
         if self.signal == signum and now - self.signal_time < SAME_PRESS_SECONDS:
             return  # the same press delivered twice: `uv run` forwards what the process group already got
         if self.signal:
-            raise KeyboardInterrupt(self._lost())
+            raise StoppedAtOnce(self._lost(), signum)
         self.signal, self.signal_time = signum, now
         tqdm.write(f"[run] {signal.Signals(signum).name}: stopping after this step, with a checkpoint "
                    f"(a second Ctrl-C or SIGTERM, a second or more later, stops at once, losing the step)")
@@ -170,8 +177,12 @@ class Run:
         return distributed.global_max(self.signal) > 0
 
     def stopped(self, step: int):
-        """End the program after the loop saved step `step`: say how to go on, exit 128 + the signal."""
-        self.say(f"[run] stopped after step {step}; checkpoint saved: continue with --resume {self.dir}")
+        """End the program after the loop saved step `step` (none for 0): say how to go on, exit 128 + the signal."""
+        if step:
+            self.say(f"[run] stopped after step {step}; checkpoint saved: continue with --resume {self.dir}")
+        else:
+            self.say(f"[run] stopped before the first step ended: nothing in {self.dir} can be resumed (start again "
+                     f"with --overwrite)")
         raise SystemExit(128 + int(distributed.global_max(self.signal)))
 
     def restore(self, model, optimizer) -> dict | None:

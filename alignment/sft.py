@@ -143,6 +143,7 @@ def main(args: SFTArgs) -> dict:
     if len(examples) < args.batch_size:
         raise UserError(f"only {len(examples)} training examples, fewer than --batch_size {args.batch_size}.")
     total_steps = (len(examples) // args.batch_size) * args.epochs
+    run.refuse_finished(total_steps, "--epochs")
     warmup_steps = max(1, round(args.warmup_ratio * total_steps))
     accumulation = args.batch_size // world // args.microbatch_size  # microbatches per rank and step
 

@@ -36,7 +36,7 @@ from alignment.async_rollouts import RolloutSource
 from alignment.errors import UserError, cli
 from alignment.estimators import compute_rollout_is_weights, compute_value_loss
 from alignment.evaluate import PROMPT_SETTINGS, check_context, evaluate
-from alignment.experience import Experience, build_experience, collect_rollouts
+from alignment.experience import Experience, SamplingStopped, build_experience, collect_rollouts
 from alignment.grpo import policy_microbatch_train_step, weighted_sum
 from alignment.run import Run
 from alignment.sampling import HFSampler, SamplingParams, WeightPush, derive_seed, make_sampler, pick_backend
@@ -66,8 +66,11 @@ def load_questions(args: RLArgs, log=print, script: str = "train_rl") -> tuple[l
     held_out = {row["question"] for row in eval_rows}
     kept = [row for row in train_rows if row["question"] not in held_out]
     if len(kept) < len(train_rows):
-        log(f"[{script}] {len(train_rows) - len(kept)} of {len(train_rows)} training questions are evaluation "
-            f"questions too; they are left out of training.")
+        later = "" if args.eval_every else (" (no evaluation in this run, --eval_every 0: held out so that an "
+                                            "alignment.evaluate of them later measures questions never trained on)")
+        log(f"[{script}] {len(train_rows) - len(kept)} of {len(train_rows)} training questions are among the "
+            f"{len(eval_rows)} evaluation questions ({eval_name}, --eval_limit {args.eval_limit}); they are left out "
+            f"of training{later}.")
     if not kept:
         raise UserError(f"every training question of {args.dataset} is also an evaluation question; choose a "
                         f"task with more distinct problems or a different --eval_dataset.")
@@ -99,6 +102,7 @@ def main(args: RLArgs) -> dict:
     _refuse_under_torchrun(args, device)
     run = Run(args, f"checkpoints/rl/{args.loss_type}-{time.strftime('%Y%m%d-%H%M%S')}", start_model(args),
               RESUMABLE_CHANGES)
+    run.refuse_finished(args.n_steps, "--n_steps")
     roles = (dict(policy=[device], sample=device, reference=device, eval=device, critic=device) if device else
              models.assign_device_roles(models.available_devices(), args.sample_device, args.reference_model_device,
                                         args.eval_device, args.critic_device))
@@ -145,7 +149,10 @@ def main(args: RLArgs) -> dict:
     generated_tokens = state.get("generated_tokens", 0)  # cumulative: compares runs at equal sampling work
 
     def collect(step: int, drawn: int):  # drawn: the position in the question stream
-        return collect_rollouts(args, step, drawn, train_rows, m.sampler, m.tokenizer, score)
+        # a stop during the refill gives the step up (synchronous loop); a batch sampled ahead is finished
+        # (a checkpoint holds it: the resumed run trains on what the uninterrupted one would have)
+        stopping = (lambda: run.signal > 0) if not args.async_steps else (lambda: False)
+        return collect_rollouts(args, step, drawn, train_rows, m.sampler, m.tokenizer, score, stopping)
     source = RolloutSource(args.async_steps, args.n_steps, collect, lambda: push(m.sampler),
                            state.get("questions_drawn", 0), state.get("in_flight"))
 
@@ -166,6 +173,12 @@ def main(args: RLArgs) -> dict:
                     f"{summary['avg_all_rewards']:.3f}")
         distributed.barrier()
 
+    def save(steps: int):  # every rank; the checkpoint after `steps` finished steps
+        critic = {"critic_optimizer": m.critic_optimizer.state_dict()} if m.critic is not None else {}
+        run.save(steps, m.policy, m.tokenizer, m.optimizer,
+                 {"bad_steps": bad_steps, "generated_tokens": generated_tokens, **source.state(), **critic},
+                 submodels={"critic": m.critic} if m.critic is not None else None)
+
     if args.eval_every and args.eval_before_train and run.start_step == 0:
         run_eval(0)
     bar = tqdm(range(run.start_step, args.n_steps), desc="rl", unit="step", initial=run.start_step,
@@ -177,7 +190,13 @@ def main(args: RLArgs) -> dict:
             step_start = time.perf_counter()
             m.policy.eval()
             with contextlib.nullcontext() if args.async_steps else m.autocast:  # async: the sampler is a copy
-                batch = source.take(step)
+                try:
+                    batch = source.take(step)
+                except SamplingStopped as stopped:  # nothing of this step is kept: save where the last one ended
+                    run.say(f"[run] {stopped}: the step is given up, before any update")
+                    if step > run.start_step:  # else the checkpoint, if any, already holds this state
+                        save(step)
+                    run.stopped(step)
             times = dict(batch.seconds)  # sample, score (async: in the background; wait and sync in the loop)
             generated_tokens += int(batch.metrics["sampled_tokens"])
 
@@ -204,10 +223,7 @@ def main(args: RLArgs) -> dict:
                 run_eval(step + 1)
             stop = run.stop_requested()  # Ctrl-C or SIGTERM: checkpoint this step, then end
             if stop or (step + 1) % args.save_every == 0 or step + 1 == args.n_steps:
-                critic = {"critic_optimizer": m.critic_optimizer.state_dict()} if m.critic is not None else {}
-                run.save(step + 1, m.policy, m.tokenizer, m.optimizer,
-                         {"bad_steps": bad_steps, "generated_tokens": generated_tokens, **source.state(), **critic},
-                         submodels={"critic": m.critic} if m.critic is not None else None)
+                save(step + 1)
             if stop:
                 run.stopped(step + 1)
     bar.close()

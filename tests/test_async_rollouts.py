@@ -33,9 +33,9 @@ def test_each_batch_is_sampled_by_the_weights_of_the_step_before(tiny_model_dir,
     sampled, at_start, is_inputs, recorded = {}, {}, [], {}
     real_collect, real_build, real_is = train_rl.collect_rollouts, train_rl.build_experience, train_rl.compute_rollout_is_weights
 
-    def collect(args, step, drawn, rows, sampler, tokenizer, score):
+    def collect(args, step, drawn, rows, sampler, tokenizer, score, *rest):
         sampled[step] = snapshot(sampler.model)
-        batch, drawn = real_collect(args, step, drawn, rows, sampler, tokenizer, score)
+        batch, drawn = real_collect(args, step, drawn, rows, sampler, tokenizer, score, *rest)
         recorded[step] = [row.sampler_logprobs for trace in batch.traces for row in trace]
         return batch, drawn
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from alignment import evaluate, models, plot, sft, train_rl
-from alignment.args import AT_LEAST_ZERO, AT_MOST_ONE, POSITIVE, SCRIPTS, EvalArgs, RLArgs, SFTArgs, parse
+from alignment.args import AT_LEAST_ZERO, AT_MOST_ONE, POSITIVE, SCRIPTS, EIArgs, EvalArgs, RLArgs, SFTArgs, parse
 from alignment.errors import UserError
 from alignment.run import Run, read_jsonl
 from tests.conftest import hold_lock, parity_reward
@@ -215,10 +215,24 @@ def test_a_second_ctrl_c_ends_in_one_line_without_a_traceback(capsys):
     def in_a_run(args):  # a run says what it kept (run.py's Run._lost)
         raise KeyboardInterrupt("stopped at once: the step in progress is lost; the last checkpoint is kept: "
                                 "continue with --resume runs/x")
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         cli(in_a_run, None)
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.endswith("--resume runs/x")
+    assert "\n" not in err and err.endswith("--resume runs/x") and exit_info.value.code == 130
+
+
+def test_a_second_sigterm_exits_143_as_a_shell_expects(capsys, tmp_path):
+    """Two SIGTERMs (a scheduler's, a `kill`) stop at once with 128 + 15, not Ctrl-C's 130."""
+    from alignment.errors import cli
+
+    def in_a_run(args):
+        run = Run(RLArgs(output_dir=str(tmp_path / "run")), "rl", "m")
+        run._on_signal(signal.SIGTERM, None)
+        run.signal_time -= 5  # a second one, seconds later
+        run._on_signal(signal.SIGTERM, None)
+    with pytest.raises(SystemExit) as exit_info:
+        cli(in_a_run, None)
+    assert exit_info.value.code == 143 and "nothing in" in capsys.readouterr().err
 
 
 def test_flags_that_another_flag_makes_moot_are_refused_by_the_value_given(capsys, tmp_path):
@@ -230,6 +244,12 @@ def test_flags_that_another_flag_makes_moot_are_refused_by_the_value_given(capsy
     assert "--rollout_is_threshold must be above 1, not 0.5" in one_error_line(capsys, RLArgs, ["--rollout_is_threshold", "0.5"])
     assert "none (implied by --loss_type no_baseline)" in one_error_line(
         capsys, RLArgs, ["--loss_type", "no_baseline", "--group_size_max", "8"])
+    for cls in (RLArgs, EIArgs):  # evaluation flags a run without evaluation never reads (probe round 4)
+        for flags in (["--eval_max_tokens", "64"], ["--no_eval_before_train"]):
+            assert "has no effect with --eval_every 0 (no evaluation): drop it" in one_error_line(
+                capsys, cls, ["--eval_every", "0", *flags])
+    # not --eval_limit: its questions are still held out of training, and the start line says why
+    assert parse(RLArgs, ["--eval_every", "0", "--eval_limit", "50"]).eval_limit == 50
     args = RLArgs(bf16_weights=True, output_dir=str(tmp_path / "run"), precision="fp32")
     with pytest.raises(UserError, match="--bf16_weights keeps bf16 parameters on a GPU"):
         train_rl.main(args)

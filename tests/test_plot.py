@@ -15,6 +15,9 @@ def test_plot_draws_only_what_is_there_and_refuses_the_rest(tmp_path, capsys):
     from alignment.plot import plot
     run = tmp_path / "run"
     run.mkdir()
+    (run / "config.json").write_text(json.dumps({"script": "sft"}))  # a run just started: not "pass a run folder"
+    with pytest.raises(MissingFileError, match="holds a run that has logged no step yet"):
+        plot(run)
     (run / "metrics.jsonl").write_text("")
     with pytest.raises(UserError, match="holds no records yet"):
         plot(run)

@@ -97,6 +97,11 @@ def test_resume_restores_state_and_refuses_changed_flags(tmp_path, tiny_model, t
     moments = [s["exp_avg"] for s in fresh_optimizer.state_dict()["state"].values()]
     assert moments and all(torch.equal(a, b["exp_avg"]) for a, b in zip(moments, optimizer.state_dict()["state"].values()))
     assert models.resolve_model(str(tmp_path / "run")) == str(tmp_path / "run" / "checkpoint")
+    resumed.refuse_finished(5, "--n_steps")  # 3 steps left to train
+    finished = Run(Flags(resume=str(tmp_path / "run"), n_steps=2), "unused", None, resumable={"n_steps"})
+    with pytest.raises(UserError, match=r"has finished: its checkpoint is at step 2 of 2, so --resume has nothing to "
+                                        r"train; raise --n_steps \(now 2\) to train further"):
+        finished.refuse_finished(2, "--n_steps")  # not a silent exit 0 that trained nothing (probe round 4)
 
 
 def test_a_run_folder_is_locked_while_a_run_writes_it_and_released_when_its_process_ends(tmp_path):

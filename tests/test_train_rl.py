@@ -570,3 +570,43 @@ def test_a_bf16_run_keeps_fp32_master_weights_and_optimizer_state(tiny_model_dir
     metadata = dcp.FileSystemReader(str(tmp_path / "run" / "checkpoint" / "optimizer")).read_metadata()
     dtypes = {m.properties.dtype for m in metadata.state_dict_metadata.values() if hasattr(m, "properties")}
     assert dtypes == {torch.float32}  # AdamW's moments in fp32 too
+
+
+def test_a_stop_during_the_refill_gives_the_step_up_and_the_resumed_run_takes_the_same_steps(tiny_model_dir, tmp_path,
+                                                                                            monkeypatch, capsys):
+    """Dynamic sampling's extra rounds each print a line; a SIGTERM between rounds ends the step before any update
+    (not after up to --max_sampling_rounds more rounds), saving the last finished step, and the resumed run ends
+    with the weights of the uninterrupted one."""
+    import signal
+    # a group is right half the time where its question's answer is even, else never (filtered out): whether a
+    # step needs a second round depends only on the questions drawn, the same after a resume
+    right = lambda row, truth: int(truth) % 2 == 0 and row.trace_id % 4 < 2  # noqa: E731
+    scores = {"n": 0, "stop_at": None}
+
+    def reward(row, truth):
+        scores["n"] += 1
+        if scores["n"] == scores["stop_at"]:
+            signal.raise_signal(signal.SIGTERM)  # as `kill` would, while a round is scored
+        ok = right(row, truth)
+        return {"format_reward": 1.0, "answer_reward": float(ok), "reward": 1.0 if ok else -1.0}
+    monkeypatch.setattr(train_rl, "make_scorer", lambda args: reward)
+    flags = dict(n_steps=3, filter_low=0.2, max_sampling_rounds=4, save_every=10)
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "whole", **flags))
+    rounds = [m["sampling_rounds"] for m in read_jsonl(tmp_path / "whole" / "metrics.jsonl")]
+    out = capsys.readouterr().out
+    assert "after sampling round 1; round 2 of at most 4 (--max_sampling_rounds) samples 2 more questions" in out
+    later = next(s for s in range(1, 3) if rounds[s] > 1)  # a step after the first that refills
+    scores["n"], scores["stop_at"] = 0, 8 * sum(rounds[:later]) + 1  # in that step's first round (8 traces a round)
+    with pytest.raises(SystemExit) as stopped:
+        train_rl.main(tiny_args(tiny_model_dir, tmp_path / "cut", **flags))
+    assert stopped.value.code == 143
+    out = capsys.readouterr().out
+    assert f"stopped in step {later + 1}'s sampling round 1: the step is given up, before any update" in out
+    assert [m["step"] for m in read_jsonl(tmp_path / "cut" / "metrics.jsonl")] == list(range(1, later + 1))
+    scores["stop_at"] = None
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "cut", **flags, resume=str(tmp_path / "cut")))
+    whole, cut = (models.load_model(str(tmp_path / r / "checkpoint")) for r in ("whole", "cut"))
+    for (name, p), q in zip(whole.named_parameters(), cut.parameters()):
+        assert torch.equal(p, q), f"the resumed run ended elsewhere at {name}"
+    assert "--max_sampling_rounds must be from 1 to 32" in str(pytest.raises(ValueError, tiny_args, tiny_model_dir,
+                                                                              tmp_path / "x", max_sampling_rounds=33).value)
