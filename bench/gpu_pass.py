@@ -96,7 +96,7 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
     python, small = [sys.executable], ["--model", str(work / "smollm2")]
     if args.tiny:  # the dry run: the same stages at a size the CPU does in seconds
         small += ["--rollout_batch_size", "8", "--train_batch_size", "8", "--train_mini_batch_size", "4",
-                  "--sampling_max_tokens", "16", "--eval_max_tokens", "8"]
+                  "--sampling_max_tokens", "16"]
     rl = [*small, "--rg_size", "200", "--backend", "hf", "--precision", "auto"]
     in_process = [*python, __file__, "stage", "--work", str(work), "--name"]  # train_rl.main, then its peak memory
     qwen = ["--model", str(work / "qwen"), "--group_size", "8", "--rollout_batch_size", "64", "--train_batch_size", "64",
@@ -112,7 +112,8 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
     return [
         ("pytest", [*python, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-rfEs", "-p", "no:cacheprovider"], 180),
         ("rl", [*in_process, "rl", "--", *rl, "--n_steps", "5", "--eval_every", "5", "--eval_limit",
-                "4" if args.tiny else "16", "--log_rollouts", "32", "--output_dir", str(work / "rl")], 180),
+                "4" if args.tiny else "16", *(["--eval_max_tokens", "8"] if args.tiny else []), "--log_rollouts", "32",
+                "--output_dir", str(work / "rl")], 180),
         ("qwen_shape", [*in_process, "qwen_shape", "--", *qwen, "--rg_size", "200",
                         "--backend", "hf", "--precision", "auto", "--eval_every", "0", "--save_every", "1000",
                         "--output_dir", str(work / "qwen_run")], 300),
