@@ -75,7 +75,9 @@ def parse(cls, argv=None):
         check_values(args)  # a value out of range is named as such first
         moot = args.moot() if hasattr(args, "moot") else {}
         for name in sorted(given & set(moot)):  # never dropped silently
-            raise ValueError(f"--{name} {getattr(args, name)} has no effect {moot[name]}: drop it.")
+            value = getattr(args, name)
+            typed = f"--{name} {value}" if not isinstance(value, bool) else f"--{'' if value else 'no_'}{name}"
+            raise ValueError(f"{typed} has no effect {moot[name]}: drop it.")
         args.check()  # check_values first, then the cross-field rules
     except ValueError as e:
         _fail(str(e))
@@ -523,7 +525,7 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
             raise ValueError("--group_size_max takes the baseline from rewards of samples that are not trained on, "
                              "whose KL penalty is unknown: drop --kl_in_reward (--kl_coef in the loss works).")
         if not 1 <= self.max_sampling_rounds <= MAX_SAMPLING_ROUNDS:
-            raise ValueError(f"--max_sampling_rounds must be from 1 to {MAX_SAMPLING_ROUNDS}: a step whose filters keep "
+            raise ValueError(f"--max_sampling_rounds {self.max_sampling_rounds} is not from 1 to {MAX_SAMPLING_ROUNDS}: a step whose filters keep "
                              f"too few groups samples at most that many batches of questions before it trains on "
                              f"what it kept.")
         if self.save_every < 1:

@@ -245,8 +245,8 @@ def test_flags_that_another_flag_makes_moot_are_refused_by_the_value_given(capsy
     assert "none (implied by --loss_type no_baseline)" in one_error_line(
         capsys, RLArgs, ["--loss_type", "no_baseline", "--group_size_max", "8"])
     for cls in (RLArgs, EIArgs):  # evaluation flags a run without evaluation never reads (probe round 4)
-        for flags in (["--eval_max_tokens", "64"], ["--no_eval_before_train"]):
-            assert "has no effect with --eval_every 0 (no evaluation): drop it" in one_error_line(
+        for flags in (["--eval_max_tokens", "64"], ["--no_eval_before_train"]):  # named as typed
+            assert f"{' '.join(flags)} has no effect with --eval_every 0 (no evaluation): drop it" in one_error_line(
                 capsys, cls, ["--eval_every", "0", *flags])
     # not --eval_limit: its questions are still held out of training, and the start line says why
     assert parse(RLArgs, ["--eval_every", "0", "--eval_limit", "50"]).eval_limit == 50

@@ -446,7 +446,7 @@ def test_estimator_flag_checks(capsys):
     for argv, message in [(["--advantage_estimator", "gae", "--rollout_mode", "delethink", "--loss_agg_mode",
                             "trace-length"], "one row per trace"),
                           (["--loss_type", "gspo", "--advantage_estimator", "reinforce_pp"], "one advantage per trace"),
-                          (["--kl_in_reward"], "--kl_in_reward True has no effect with --kl_coef 0"),
+                          (["--kl_in_reward"], "--kl_in_reward has no effect with --kl_coef 0"),
                           (["--loss_type", "no_baseline", "--advantage_estimator", "rloo"], "trains on the raw reward"),
                           (["--kl_coef", "0.1", "--kl_estimator", "k1"], "zero-mean gradient"),
                           (["--kl_coef", "0.1", "--kl_in_reward", "--use_std_normalization"], "tiny std"),
@@ -608,5 +608,5 @@ def test_a_stop_during_the_refill_gives_the_step_up_and_the_resumed_run_takes_th
     whole, cut = (models.load_model(str(tmp_path / r / "checkpoint")) for r in ("whole", "cut"))
     for (name, p), q in zip(whole.named_parameters(), cut.parameters()):
         assert torch.equal(p, q), f"the resumed run ended elsewhere at {name}"
-    assert "--max_sampling_rounds must be from 1 to 32" in str(pytest.raises(ValueError, tiny_args, tiny_model_dir,
+    assert "--max_sampling_rounds 33 is not from 1 to 32" in str(pytest.raises(ValueError, tiny_args, tiny_model_dir,
                                                                               tmp_path / "x", max_sampling_rounds=33).value)
