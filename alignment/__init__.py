@@ -16,5 +16,8 @@ def _interrupted_at_start(signum, frame):
 # Started as a script (`python -m alignment.<script>`: sys.argv[0] is "-m" while the package is imported), a
 # Ctrl-C during the imports and the loading ends in one line instead of an import's traceback; the run loop
 # installs its own handler (stop after the step, with a checkpoint) and restores this one after it.
-if sys.argv[:1] == ["-m"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted_at_start)
+if sys.argv[:1] == ["-m"]:
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_at_start)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a `kill` or a scheduler: the same one line
+        signal.signal(signal.SIGTERM, _interrupted_at_start)

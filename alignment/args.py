@@ -208,6 +208,9 @@ def check_values(args):
             raise ValueError(f"--{f.name} must be 0 or more, not {value}.")
         if f.name in AT_MOST_ONE and value > 1:
             raise ValueError(f"--{f.name} is a fraction: at most 1, not {value}.")
+        if f.name == "rg_size" and value > MAX_RG_SIZE:  # generated in memory before anything else prints
+            raise ValueError(f"--rg_size {value} is above {MAX_RG_SIZE:,} problems (generated at start, in memory; "
+                             f"GSM8K's training split has 7,473): lower it.")
         if f.name == "seed" and not 0 <= value < 2**63:  # what torch.manual_seed and the samplers take
             raise ValueError(f"--seed must be 0 or more and below 2**63, not {value}.")
 
@@ -219,6 +222,7 @@ def to_dict(args) -> dict:
 # Sums of two numbers of up to two digits from reasoning-gym (offline, seeded): the CPU default RL task.
 # Advantage estimators that give each token its own advantage (one row per trace; whitened over the batch).
 MAX_GROWTH = 32  # adaptive groups: a pool holds at most this many times --group_size (31 growth rounds a step)
+MAX_RG_SIZE = 100_000  # reasoning-gym problems generated for one dataset (10M: minutes and 2.5 GB, silently)
 MAX_SAMPLING_ROUNDS = 32  # dynamic sampling: a step samples at most this many batches of questions
 TOKEN_LEVEL_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 PROMPTS = ("r1_zero", "question_only", "tir")  # alignment/prompts/*.prompt, each with its reward (evaluate.py)

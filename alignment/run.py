@@ -161,7 +161,8 @@ class Run:
         if self.signal:
             raise StoppedAtOnce(self._lost(), signum)
         self.signal, self.signal_time = signum, now
-        tqdm.write(f"[run] {signal.Signals(signum).name}: stopping after this step, with a checkpoint "
+        tqdm.write(f"[run] {signal.Signals(signum).name}: stopping after this step, with a checkpoint (a step "
+                   f"still refilling its batch is given up, and the last finished step's is kept) "
                    f"(a second Ctrl-C or SIGTERM, a second or more later, stops at once, losing the step)")
 
     def _lost(self) -> str:

@@ -318,15 +318,17 @@ def interruptible():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_a_ctrl_c_while_a_script_starts_ends_in_one_line(tmp_path):
-    """`python -m alignment.<script>` interrupted while it still imports torch: one line, no traceback."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_ctrl_c_while_a_script_starts_ends_in_one_line(tmp_path, signum):
+    """`python -m alignment.<script>` interrupted (Ctrl-C, or a `kill`: probe round 5 saw a silent exit) while it
+    still imports torch or generates its data: one line, no traceback, 128 + the signal."""
     import subprocess
     import sys
     code = ("import sys; sys.argv = ['-m']; import alignment, os, signal, time; sys.argv = ['x']; "
-            "os.kill(os.getpid(), signal.SIGINT); time.sleep(10)")
+            f"os.kill(os.getpid(), {int(signum)}); time.sleep(10)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[1], preexec_fn=interruptible)
-    assert done.returncode == 130 and "Traceback" not in done.stderr
+    assert done.returncode == 128 + signum and "Traceback" not in done.stderr
     assert done.stderr.strip() == "interrupted outside a training step: nothing was saved now (checkpoints saved " \
                                   "before are kept)."
 
@@ -416,4 +418,5 @@ def test_flags_that_do_act_are_still_taken(capsys):
     assert parse(RLArgs, ["--advantage_estimator", "gae", "--gamma", "0.9", "--lam", "0.95"]).lam == 0.95
     assert parse(EvalArgs, ["--temperature", "0.6", "--top_p", "0.9"]).top_p == 0.9
     assert parse(SFTArgs, ["--dataset", "rg:chain_sum", "--rg_size", "100"]).rg_size == 100
+    assert "--rg_size 10000000 is above 100,000 problems" in one_error_line(capsys, RLArgs, ["--rg_size", "10000000"])
     assert parse(EvalArgs, ["--rollout_mode", "tir", "--prompt", "tir", "--tool_timeout", "3"]).tool_timeout == 3
