@@ -218,6 +218,9 @@ class Run:
                             f"{self.dir} starts from its weights).")
         with distributed.main_first():  # rank 0 completes a save a crash cut off, then every rank looks
             models.finish_interrupted_save(self.checkpoint)
+        if not (self.checkpoint / STATE_FILE).exists() and owner:  # a run of this script that saved nothing
+            raise MissingFileError(f"{self.checkpoint} has no {STATE_FILE}: the run in {self.dir} stopped before its "
+                                   f"first checkpoint, so nothing can be resumed; start it again with --overwrite.")
         if not (self.checkpoint / STATE_FILE).exists():
             raise MissingFileError(f"{self.checkpoint} has no {STATE_FILE}; --resume takes a run folder that saved at "
                                    f"least one checkpoint (see --save_every).")

@@ -165,8 +165,9 @@ def test_a_run_stopped_before_its_first_checkpoint_sends_the_user_to_overwrite_n
     with pytest.raises(UserError) as refused:
         open_run(tmp_path / "run")
     assert "--resume" not in str(refused.value) and "--overwrite" in str(refused.value)
-    with pytest.raises(MissingFileError, match="has no trainer_state.pt"):  # what --resume would have said
-        open_run(tmp_path / "run", resume=str(tmp_path / "run"))
+    with pytest.raises(MissingFileError, match="has no trainer_state.pt: the run in .* stopped before its first "
+                                               "checkpoint, so nothing can be resumed; start it again with --overwrite"):
+        open_run(tmp_path / "run", resume=str(tmp_path / "run"))  # the same advice, not "see --save_every"
     assert open_run(tmp_path / "run", overwrite=True).metrics() == []
 
 
