@@ -354,7 +354,9 @@ def test_evaluation_questions_are_left_out_of_training(tiny_model_dir, tmp_path,
     train, held_out, _ = train_rl.load_questions(args)
     asked = {row["question"] for row in held_out}
     assert len(held_out) == 50 and 0 < len(train) < 500 and not asked & {row["question"] for row in train}
-    assert f"{500 - len(train)} of 500 training questions are evaluation questions too" in capsys.readouterr().out
+    out = capsys.readouterr().out  # with --eval_every 0 (tiny_args), the line says why they are still held out
+    assert f"{500 - len(train)} of 500 training questions are among the 50 evaluation questions" in out
+    assert "--eval_limit 50); they are left out of training (no evaluation in this run, --eval_every 0" in out
     monkeypatch.setattr(train_rl.data, "load_dataset", lambda name, split, *a, **k: [{"question": "1 + 1", "answer": "2"}])
     with pytest.raises(UserError, match="every training question of .* is also an evaluation question"):
         train_rl.load_questions(args)
