@@ -528,6 +528,13 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
         if self.group_size_max and self.kl_in_reward:
             raise ValueError("--group_size_max takes the baseline from rewards of samples that are not trained on, "
                              "whose KL penalty is unknown: drop --kl_in_reward (--kl_coef in the loss works).")
+        if self.filter_low is not None and self.filter_high is not None and self.filter_low > self.filter_high:
+            raise ValueError(f"--filter_low {self.filter_low} is above --filter_high {self.filter_high}: no group's "
+                             f"accuracy is in between, so every step would be dropped; swap them.")
+        if self.group_size < 2 and self.advantage_estimator in ("grpo", "rloo", "reinforce_pp_baseline"):
+            raise ValueError(f"--group_size 1 leaves --advantage_estimator {self._estimator()} no group to take a "
+                             f"baseline from (every advantage 0, or none for rloo): use --group_size 2 or more, or "
+                             f"--loss_type no_baseline.")
         if not 1 <= self.max_sampling_rounds <= MAX_SAMPLING_ROUNDS:
             raise ValueError(f"--max_sampling_rounds {self.max_sampling_rounds} is not from 1 to {MAX_SAMPLING_ROUNDS}: a step whose filters keep "
                              f"too few groups samples at most that many batches of questions before it trains on "

@@ -419,4 +419,11 @@ def test_flags_that_do_act_are_still_taken(capsys):
     assert parse(EvalArgs, ["--temperature", "0.6", "--top_p", "0.9"]).top_p == 0.9
     assert parse(SFTArgs, ["--dataset", "rg:chain_sum", "--rg_size", "100"]).rg_size == 100
     assert "--rg_size 10000000 is above 100,000 problems" in one_error_line(capsys, RLArgs, ["--rg_size", "10000000"])
+    assert "--filter_low 0.9 is above --filter_high 0.1: no group's accuracy is in between" in one_error_line(
+        capsys, RLArgs, ["--filter_low", "0.9", "--filter_high", "0.1"])
+    assert "--group_size 1 leaves --advantage_estimator rloo no group" in one_error_line(
+        capsys, RLArgs, ["--group_size", "1", "--rollout_batch_size", "8", "--train_batch_size", "8",
+                         "--advantage_estimator", "rloo"])
+    assert parse(RLArgs, ["--group_size", "1", "--rollout_batch_size", "8", "--train_batch_size", "8",
+                          "--loss_type", "no_baseline"]).group_size == 1  # REINFORCE needs no group
     assert parse(EvalArgs, ["--rollout_mode", "tir", "--prompt", "tir", "--tool_timeout", "3"]).tool_timeout == 3
