@@ -74,6 +74,9 @@ def parse(cls, argv=None):
         args = cls(**values)
         check_values(args)  # a value out of range is named as such first
         moot = args.moot() if hasattr(args, "moot") else {}
+        if getattr(args, "backend", None) == "hf":  # every script: vLLM's engine options, with no engine
+            moot |= {name: "with --backend hf (an option of vLLM's engine)" for name in
+                     ("gpu_memory_utilization", "kv_cache_gib", "vllm_enforce_eager", "vllm_max_model_len")}
         for name in sorted(given & set(moot)):  # never dropped silently
             value = getattr(args, name)
             typed = f"--{name} {value}" if not isinstance(value, bool) else f"--{'' if value else 'no_'}{name}"

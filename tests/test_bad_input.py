@@ -426,4 +426,9 @@ def test_flags_that_do_act_are_still_taken(capsys):
                          "--advantage_estimator", "rloo"])
     assert parse(RLArgs, ["--group_size", "1", "--rollout_batch_size", "8", "--train_batch_size", "8",
                           "--loss_type", "no_baseline"]).group_size == 1  # REINFORCE needs no group
+    for cls in (RLArgs, SFTArgs, EIArgs, EvalArgs):  # no vLLM engine, no engine options
+        assert "--vllm_max_model_len 64 has no effect with --backend hf" in one_error_line(
+            capsys, cls, ["--backend", "hf", "--vllm_max_model_len", "64"])
+    assert "--vllm_enforce_eager has no effect with --backend hf" in one_error_line(
+        capsys, RLArgs, ["--backend", "hf", "--vllm_enforce_eager"])
     assert parse(EvalArgs, ["--rollout_mode", "tir", "--prompt", "tir", "--tool_timeout", "3"]).tool_timeout == 3
