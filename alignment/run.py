@@ -218,12 +218,11 @@ class Run:
                             f"{self.dir} starts from its weights).")
         with distributed.main_first():  # rank 0 completes a save a crash cut off, then every rank looks
             models.finish_interrupted_save(self.checkpoint)
-        if not (self.checkpoint / STATE_FILE).exists() and owner:  # a run of this script that saved nothing
-            raise MissingFileError(f"{self.checkpoint} has no {STATE_FILE}: the run in {self.dir} stopped before its "
-                                   f"first checkpoint, so nothing can be resumed; start it again with --overwrite.")
-        if not (self.checkpoint / STATE_FILE).exists():
-            raise MissingFileError(f"{self.checkpoint} has no {STATE_FILE}; --resume takes a run folder that saved at "
-                                   f"least one checkpoint (see --save_every).")
+        if not (self.checkpoint / STATE_FILE).exists():  # a run of this script that saved nothing, or no run
+            why = (f": the run in {self.dir} stopped before its first checkpoint, so nothing can be resumed; start it "
+                   f"again with --overwrite." if owner else
+                   "; --resume takes a run folder that saved at least one checkpoint (see --save_every).")
+            raise MissingFileError(f"{self.checkpoint} has no {STATE_FILE}{why}")
         saved = json.loads((self.checkpoint / "run_config.json").read_text())
         defaults = {f.name: f.default for f in dataclasses.fields(self.args)}  # a flag added since the run was saved
         changed = sorted(f"--{k} {v} (the run's: {saved.get(k, defaults[k])})" for k, v in to_dict(self.args).items()

@@ -148,10 +148,11 @@ def main(args: RLArgs) -> dict:
     bad_steps, score = state.get("bad_steps", 0), make_scorer(args)
     generated_tokens = state.get("generated_tokens", 0)  # cumulative: compares runs at equal sampling work
 
+    # a stop during the refill gives the step up (synchronous loop); a batch sampled ahead is finished
+    # (a checkpoint holds it: the resumed run trains on what the uninterrupted one would have)
+    stopping = lambda: not args.async_steps and run.signal > 0  # noqa: E731
+
     def collect(step: int, drawn: int):  # drawn: the position in the question stream
-        # a stop during the refill gives the step up (synchronous loop); a batch sampled ahead is finished
-        # (a checkpoint holds it: the resumed run trains on what the uninterrupted one would have)
-        stopping = (lambda: run.signal > 0) if not args.async_steps else (lambda: False)
         return collect_rollouts(args, step, drawn, train_rows, m.sampler, m.tokenizer, score, stopping)
     source = RolloutSource(args.async_steps, args.n_steps, collect, lambda: push(m.sampler),
                            state.get("questions_drawn", 0), state.get("in_flight"))
