@@ -164,10 +164,14 @@ def main(args: SFTArgs) -> dict:
     sampler = _eval_sampler(args, run, model, tokenizer, device, input_device)
     push = WeightPush(model)
     optimizer = models.adamw(lora.trainable_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps))
-    state = run.restore(model, optimizer)
-    if state:
-        scheduler.load_state_dict(state["scheduler"])
+    run.restore(model, optimizer)
+    # The schedule is a function of the step and of this run's length, so a resumed run (one whose --epochs
+    # were raised included) takes its next step at the schedule's lr for run.start_step, never at the lr
+    # an earlier, shorter schedule ended on (0 at the end of a finished run).
+    for group in optimizer.param_groups:
+        group["initial_lr"] = args.lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps),
+                                                  last_epoch=run.start_step - 1)
     run.say(f"[sft] {run.weights}: {len(examples)} examples x {args.epochs} epoch(s) = {total_steps} steps of "
             f"{args.batch_size} ({world} process(es) x {accumulation} microbatches of {args.microbatch_size}), "
             f"lr {args.lr:g}, warmup {warmup_steps}, {lora.describe(model, args)}, policy on "
@@ -212,8 +216,7 @@ def main(args: SFTArgs) -> dict:
                 last_eval = evaluate_and_log(step + 1)
             stop = run.stop_requested()  # Ctrl-C or SIGTERM: checkpoint this step, then end
             if stop or done or (args.save_every and (step + 1) % args.save_every == 0):
-                run.save(step + 1, model, tokenizer, optimizer, {"scheduler": scheduler.state_dict(),
-                                                                 "examples_seen": (step + 1) * args.batch_size})
+                run.save(step + 1, model, tokenizer, optimizer, {"examples_seen": (step + 1) * args.batch_size})
             if stop:
                 run.stopped(step + 1)
     bar.close()

@@ -142,6 +142,21 @@ def test_resume_continues_at_the_right_step(tiny_model_dir, data_dir, tmp_path, 
         sft.main(tiny_args(tiny_model_dir, tmp_path / "empty", resume=str(tmp_path / "empty")))
 
 
+def test_a_finished_run_resumed_with_more_epochs_follows_the_longer_schedule(tiny_model_dir, data_dir, tmp_path):
+    # The old code restored the scheduler of the 2-step run: step 3 trained at lr 0 (where a cosine ends),
+    # then jumped into the 4-step schedule. A step's lr is the longer schedule's at that step.
+    def lrs(run_dir):
+        return [json.loads(line)["lr"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                if "lr" in json.loads(line)]
+
+    sft.main(tiny_args(tiny_model_dir, tmp_path / "long", epochs=2, eval_limit=0))
+    sft.main(tiny_args(tiny_model_dir, tmp_path / "short", epochs=1, eval_limit=0))
+    sft.main(tiny_args(tiny_model_dir, tmp_path / "short", epochs=2, eval_limit=0, resume=str(tmp_path / "short")))
+    long, extended = lrs(tmp_path / "long"), lrs(tmp_path / "short")
+    assert len(long) == len(extended) == 4 and extended[2] > 0
+    assert extended[2:] == pytest.approx(long[2:], rel=1e-12)
+
+
 def state_of(run_dir):
     return torch.load(run_dir / "checkpoint" / run.STATE_FILE, weights_only=False)
 
