@@ -34,10 +34,11 @@ GSM8K_AGAIN = "delete it and run `uv run -m alignment.data download gsm8k` again
 
 
 def read_jsonl(path: Path, required: tuple[str, ...], text: tuple[str, ...] | None = None,
-               remedy: str | None = None) -> list[dict]:
+               remedy: str | None = None, all_empty_ok: bool = True) -> list[dict]:
     """Read a JSONL file of objects with the `required` fields (the `text` ones, default all, strings), failing
-    with one sentence that names the file and line of a bad row. `remedy` says what to do about a bad file: by
-    default (a file of the user's, e.g. sft's --train_file) fix it; the dataset loaders pass their own."""
+    with one sentence that names the file and line of a bad row (also one whose text fields are all empty
+    strings, unless `all_empty_ok`). `remedy` says what to do about a bad file: by default (a file of the
+    user's, e.g. sft's --train_file) fix it; the dataset loaders pass their own."""
     path, text = Path(path), required if text is None else text
     remedy = remedy or f"fix the file: each line must be one JSON object with {', '.join(required)}"
     if path.is_dir():
@@ -63,6 +64,8 @@ def read_jsonl(path: Path, required: tuple[str, ...], text: tuple[str, ...] | No
             if wrong:
                 raise UserError(f"{path}:{line_no}: {' and '.join(text)} must be strings ({', '.join(wrong)}); "
                                 f"{remedy}.")
+            if not all_empty_ok and not any(row[key] for key in text):
+                raise UserError(f"{path}:{line_no}: {' and '.join(text)} are empty, nothing to train on; {remedy}.")
             rows.append(row)
     if not rows:
         raise UserError(f"{path} holds no rows; {remedy}.")

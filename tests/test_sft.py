@@ -41,6 +41,10 @@ def test_train_file_of_prompt_response_pairs(tmp_path):
     assert examples == [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(3)]
     with pytest.raises(FileNotFoundError, match="does not exist"):
         sft.load_sft_examples(SFTArgs(train_file=str(tmp_path / "nope.jsonl")))
+    # a row with neither prompt nor response has no token to train on (it crashed the first step's forward)
+    path.write_text('{"prompt": "p", "response": ""}\n\n{"prompt": "", "response": ""}\n')
+    with pytest.raises(UserError, match=r"traces.jsonl:3: prompt and response are empty, nothing to train on"):
+        sft.load_sft_examples(SFTArgs(train_file=str(path)))
 
 
 def test_gsm8k_traces_are_kept_short_by_default_and_a_train_file_is_not_cut(tokenizer, data_dir, tmp_path):
