@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from alignment.errors import MissingFileError, UserError, cli
-from alignment.run import read_jsonl
+from alignment.run import PLOT_FILE, read_jsonl
 
 PANELS = [
     ("reward", [("reward", "train reward"), ("eval_avg_all_rewards", "eval reward")]),
@@ -67,7 +67,7 @@ def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
             ax.legend(fontsize=6)
     fig.suptitle(", ".join(name for name, _ in runs))
     fig.tight_layout()
-    out = Path(out or (run_dirs[0] / "curves.png" if len(runs) == 1 else run_dirs[0].parent / "curves.png"))
+    out = Path(out or (run_dirs[0] if len(runs) == 1 else run_dirs[0].parent) / PLOT_FILE)
     drawn = sum(len(ax.lines) for ax in axes)
     fig.savefig(out, dpi=110)
     plt.close(fig)

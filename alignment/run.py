@@ -258,9 +258,10 @@ def _holds_a_run(folder: Path) -> bool:
 
 LOCK_FILE = ".lock"
 WRITE_PROBE = ".write-test"
-# what a run writes into its folder: --overwrite deletes these and refuses a folder that holds anything else
+PLOT_FILE = "curves.png"  # alignment.plot's picture of one run, written into its folder by default
+# what a run (or plot) writes into its folder: --overwrite deletes these and refuses a folder holding anything else
 RUN_FILES = {"config.json", "metrics.jsonl", "rollouts.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old",
-             "tensorboard", "wandb", LOCK_FILE, WRITE_PROBE}
+             "tensorboard", "wandb", LOCK_FILE, WRITE_PROBE, PLOT_FILE}
 
 
 def lock_folder(folder: Path):

@@ -11,7 +11,7 @@ import torch
 from alignment import models
 from alignment.args import RunArgs
 from alignment.errors import MissingFileError, UserError
-from alignment.run import STATE_FILE, Run
+from alignment.run import PLOT_FILE, STATE_FILE, Run
 from tests.conftest import hold_lock
 
 
@@ -187,6 +187,12 @@ def test_overwrite_deletes_only_what_a_run_wrote(tmp_path):
         open_run(tmp_path / "run", overwrite=True)
     assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]
     assert {"notes.txt", "mydata", "metrics.jsonl"} <= {p.name for p in run.dir.iterdir()}
+    # what alignment.plot writes into a run folder by default is the toolkit's own, deleted with the run
+    (run.dir / "notes.txt").unlink()
+    (run.dir / "mydata").rmdir()
+    (run.dir / PLOT_FILE).write_bytes(b"png")
+    assert open_run(tmp_path / "run", overwrite=True).metrics() == []
+    assert not (run.dir / PLOT_FILE).exists()
 
 
 def test_a_used_folder_of_another_script_names_that_scripts_resume(tmp_path):
