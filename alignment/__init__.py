@@ -8,8 +8,8 @@ def _interrupted_at_start(signum, frame):
     # once: the same press often arrives twice (uv forwards what the process group got), and a second
     # SystemExit raised while the interpreter shuts down would print a traceback
     signal.signal(signum, signal.SIG_IGN)
-    print("\ninterrupted outside a training step: nothing was saved now (checkpoints saved before are kept).",
-          file=sys.stderr)
+    print("\ninterrupted outside a training step: the work in progress is not saved (checkpoints and results "
+          "saved before are kept).", file=sys.stderr)
     raise SystemExit(128 + signum)
 
 

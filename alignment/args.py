@@ -164,9 +164,10 @@ def _unknown_flag(unknown: list[str], cls) -> str:
         return f"unexpected argument {word!r}: every option is a --flag (see --help)."
     name = word[2:].split("=")[0]
     own = [f.name for f in fields(cls)] + [f"no_{f.name}" for f in fields(cls) if f.type is bool]
-    for script, other in SCRIPTS.items():
-        if other is not cls and name in {f.name for f in fields(other)}:
-            return f"--{name} is a flag of alignment.{script}, not of this script (see --help)."
+    owners = [f"alignment.{script}" for script, other in SCRIPTS.items()
+              if other is not cls and name in {f.name for f in fields(other)}]
+    if owners:
+        return f"--{name} is a flag of {' and '.join(owners)}, not of this script (see --help)."
     guess = difflib.get_close_matches(name, own, n=1)
     return f"unknown flag --{name}" + (f"; did you mean --{guess[0]}?" if guess else " (see --help).")
 
@@ -587,6 +588,18 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
                                                                for name in ("rg_size", "worked_style")}
         return {**generated, **no_eval, **own_file}
 
+    def check_worked_task(self):
+        """SFT writes worked solutions (alignment/worked.py) for flat expressions of two or more numbers only."""
+        task, _, options = self.dataset[3:].partition(":")
+        if task not in ("chain_sum", "basic_arithmetic"):
+            raise ValueError(f"--dataset {self.dataset}: SFT writes worked solutions only for rg:chain_sum and "
+                             f"rg:basic_arithmetic (train_rl and evaluate take any reasoning-gym task); for another "
+                             f"task pass your own --train_file.")
+        min_terms = dict(option.partition("=")[::2] for option in options.split(",")).get("min_terms", "2").strip()
+        if min_terms.lstrip("-").isdigit() and int(min_terms) < 2:
+            raise ValueError(f"--dataset {self.dataset}: a worked solution needs two or more numbers; set min_terms=2 "
+                             f"or more.")
+
     def check(self):
         check_values(self)
         self.check_run()
@@ -594,6 +607,8 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
         if self.microbatch_size < 1 or self.batch_size % self.microbatch_size:
             raise ValueError(f"--batch_size {self.batch_size} must be a positive multiple of --microbatch_size "
                              f"{self.microbatch_size}; change one of them.")
+        if self.dataset.startswith("rg:") and not self.train_file:
+            self.check_worked_task()
         if self.max_examples < 0 or self.epochs < 1:
             raise ValueError("--max_examples must be 0 (all) or positive, and --epochs at least 1.")
         if 0 < self.max_examples < self.batch_size:

@@ -67,8 +67,9 @@ def check_against_config(args, config):
     wanted = kinds if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     missing = [t for t in wanted if t not in kinds]
     if missing:
+        head = " (the output head is never adapted)" if "lm_head" in missing else ""
         raise UserError(f"--lora_target_modules {targets}: {', '.join(missing)} is not a linear layer of "
-                        f"{type(skeleton).__name__}; its layers are {', '.join(kinds)}.")
+                        f"{type(skeleton).__name__}'s decoder{head}; its layers are {', '.join(kinds)}.")
     width = min(min(m.in_features, m.out_features) for name, m in linear.items() if name.rsplit(".", 1)[-1] in wanted)
     if args.lora_rank >= width:
         raise UserError(f"--lora_rank {args.lora_rank} is not below the width {width} of the narrowest layer it "

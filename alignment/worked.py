@@ -51,7 +51,8 @@ def parse_expression(question: str) -> list:
     terms = _fold_negations(terms, question)
     if len(terms) < 3 or len(terms) % 2 == 0 or any(isinstance(t, str) for t in terms[::2]) or \
             any(not isinstance(t, str) for t in terms[1::2]):
-        raise UserError(f"no worked solution for {question!r}: it is not a flat expression of two or more numbers.")
+        raise UserError(f"no worked solution for {question!r}: it is not a flat expression of two or more numbers "
+                        f"(SFT needs rg:chain_sum or rg:basic_arithmetic questions with min_terms=2 or more).")
     return terms
 
 

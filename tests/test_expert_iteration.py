@@ -162,3 +162,11 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint(tiny_model_dir, tmp_pat
     assert exit_info.value.code == 128 + signal.SIGINT
     assert torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 1
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1]
+
+
+def test_a_step_never_draws_more_questions_than_the_task_has(tiny_model_dir, tmp_path):
+    # before: 50 questions a step from 20 were drawn 2-3 times each and logged as "solved 0.00 of 50"
+    args = tiny_args(tiny_model_dir, tmp_path / "ei", rg_size=20, questions_per_step=50, eval_limit=4)
+    with pytest.raises(UserError, match=r"--questions_per_step 50 draws 50 questions a step, but .* has \d+ to "
+                                        r"train on \(after the held-out ones\): lower it, or raise --rg_size"):
+        train_rl.load_questions(args, log=lambda line: None, script="expert_iteration")

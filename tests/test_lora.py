@@ -224,7 +224,10 @@ def test_lora_targets_and_rank_are_checked_against_the_config_before_any_weight_
     config = AutoConfig.from_pretrained(tiny_model_dir)  # hidden 64, heads of 32, 1 KV head: k_proj is 64 x 32
     check_against_config(RLArgs(lora_rank=8), config)
     check_against_config(RLArgs(lora_rank=8, lora_target_modules="q_proj,v_proj"), config)
-    with pytest.raises(UserError, match="q_projj is not a linear layer of LlamaForCausalLM; its layers are down_proj"):
+    with pytest.raises(UserError, match="q_projj is not a linear layer of LlamaForCausalLM's decoder; its layers are down_proj"):
         check_against_config(RLArgs(lora_rank=8, lora_target_modules="q_proj,q_projj"), config)  # one matches, one not
+    with pytest.raises(UserError, match=r"lm_head is not a linear layer of LlamaForCausalLM's decoder \(the output "
+                                        r"head is never adapted\)"):
+        check_against_config(RLArgs(lora_rank=8, lora_target_modules="lm_head"), config)
     with pytest.raises(UserError, match="--lora_rank 32 is not below the width 32"):
         check_against_config(RLArgs(lora_rank=32), config)

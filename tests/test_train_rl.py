@@ -357,6 +357,11 @@ def test_evaluation_questions_are_left_out_of_training(tiny_model_dir, tmp_path,
     out = capsys.readouterr().out  # with --eval_every 0 (tiny_args), the line says why they are still held out
     assert f"{500 - len(train)} of 500 training questions are among the 50 evaluation questions" in out
     assert "--eval_limit 50); they are left out of training (no evaluation in this run, --eval_every 0" in out
+    # a step never draws one question twice (the endless stream would, counting it as two)
+    with pytest.raises(UserError, match=r"--rollout_batch_size 8 / --group_size 4 draws 2 questions a step, but .* "
+                                        r"has 1 to train on \(after the held-out ones\): lower it, or raise --rg_size"):
+        train_rl.load_questions(tiny_args(tiny_model_dir, tmp_path / "one", rg_size=1, eval_limit=1,
+                                          rollout_batch_size=8, group_size=4, train_batch_size=8))
     monkeypatch.setattr(train_rl.data, "load_dataset", lambda name, split, *a, **k: [{"question": "1 + 1", "answer": "2"}])
     with pytest.raises(UserError, match="every training question of .* is also an evaluation question"):
         train_rl.load_questions(args)
