@@ -74,10 +74,10 @@ def load_questions(args: RLArgs, log=print, script: str = "train_rl") -> tuple[l
     if not kept:
         raise UserError(f"every training question of {args.dataset} is also an evaluation question; choose a "
                         f"task with more distinct problems or a different --eval_dataset.")
-    per_step, flags = ((args.questions_per_step, f"--questions_per_step {args.questions_per_step}")
-                       if script == "expert_iteration" else (args.rollout_batch_size // args.group_size,
-                       f"--rollout_batch_size {args.rollout_batch_size} / --group_size {args.group_size}"))
+    per_step = args.rollout_batch_size // args.group_size  # EI: its --questions_per_step (EIArgs.rollout_batch_size)
     if per_step > len(kept):  # the stream would repeat questions within one step, each counted as another
+        flags = (f"--questions_per_step {per_step}" if script == "expert_iteration" else
+                 f"--rollout_batch_size {args.rollout_batch_size} / --group_size {args.group_size}")
         raise UserError(f"{flags} draws {per_step} questions a step, but {args.dataset} has {len(kept)} to train on "
                         f"(after the held-out ones): lower it{', or raise --rg_size' if args.dataset.startswith('rg:') else ''}.")
     return kept, eval_rows, eval_name
