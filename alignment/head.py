@@ -19,27 +19,32 @@ them, as `model(...).logits.float()` would; the log-softmax, entropy and their g
 
 import torch
 
-CHUNK_POSITIONS = 512  # positions per chunk: 512 x 49,152 vocab x 4 bytes = 100 MB of fp32 logits at a time
-# (on 2 AVX2 cores 512 was 14% faster than 128: fewer, larger matmuls; bench/train_phase.py)
+CHUNK_POSITIONS = 512  # positions per head matmul: 512 x 49,152 vocab = 50 MB of bf16 (100 MB fp32) logits at a time
+SUB_POSITIONS = 32  # positions per pass of the log-softmax's elementwise work: 32 x 49,152 fp32 = 6 MB, in cache
+# (on 2 AVX2 cores 512 was 14% faster than 128: fewer, larger matmuls. The elementwise passes over a whole chunk
+# ran at memory speed; in sub-chunks that stay in cache the head's forward + backward took 1.0 s instead of 1.4 s
+# in bf16 and 1.7 instead of 1.96 s in fp32 on 1,024 positions, 2 AVX512-BF16 cores; bench/train_phase.py)
 
 
 class FusedHeadLogProbs(torch.autograd.Function):
     """(hidden (N, d), weight (V, d), labels (N,)) -> (log_probs (N,), entropy (N,)), fp32. The entropy's
-    gradient flows only when the caller uses it (an entropy bonus); unused, it costs nothing in backward."""
+    gradient flows only when the caller uses it (an entropy bonus); unused, it costs nothing in backward.
+    Each chunk's logits come from one matmul in the compute dtype; the fp32 log-softmax then runs over them
+    SUB_POSITIONS rows at a time, and backward writes each sub-chunk's d/dz back into the chunk's logits
+    buffer, so the head's two backward matmuls again see the whole chunk."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, scale: float, compute_dtype, chunk: int, with_entropy: bool):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute_dtype)  # (V, d): one cast per call, as autocast's weight cache does
             log_probs, entropy, log_norm = (hidden.new_zeros(len(hidden), dtype=torch.float32) for _ in range(3))
-            for start in range(0, len(hidden), chunk):
-                rows = slice(start, start + chunk)
-                z = _logits(hidden[rows], w, scale)  # (n, V) fp32
-                log_norm[rows] = torch.logsumexp(z, dim=-1)
-                log_p = z.sub_(log_norm[rows, None])  # in place: log p
-                log_probs[rows] = log_p.gather(1, labels[rows, None]).squeeze(1)
-                if with_entropy:
-                    entropy[rows] = -torch.linalg.vecdot(torch.exp(log_p), log_p)
+            for start, logits in _chunk_logits(hidden, w, chunk):
+                for rows, z in _sub_chunks(logits, start, scale):  # z: (n, V) fp32, scaled
+                    log_norm[rows] = torch.logsumexp(z, dim=-1)
+                    log_p = z.sub_(log_norm[rows, None])  # in place: log p
+                    log_probs[rows] = log_p.gather(1, labels[rows, None]).squeeze(1)
+                    if with_entropy:
+                        entropy[rows] = -torch.linalg.vecdot(torch.exp(log_p), log_p)
         ctx.save_for_backward(hidden, weight, labels, log_norm, entropy)
         ctx.scale, ctx.compute_dtype, ctx.chunk = scale, compute_dtype, chunk
         if not with_entropy:
@@ -56,34 +61,48 @@ class FusedHeadLogProbs(torch.autograd.Function):
             w = weight.to(ctx.compute_dtype)
             grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
             grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-            for start in range(0, len(hidden), ctx.chunk):
-                rows = slice(start, start + ctx.chunk)
-                log_p = _logits(hidden[rows], w, ctx.scale).sub_(log_norm[rows, None])  # (n, V) log p
-                p = torch.exp(log_p)
-                # grad_z = -p * (g_logp + g_H * (log p + H)) + g_logp * onehot(label), built in place in log_p
-                if grad_entropy is not None:
-                    grad_z = log_p.add_(entropy[rows, None]).mul_(grad_entropy[rows, None])
+            for start, logits in _chunk_logits(hidden, w, ctx.chunk):  # the chunk's logits, recomputed
+                for rows, log_p in _sub_chunks(logits, start, ctx.scale):
+                    log_p = log_p.sub_(log_norm[rows, None])  # (n, V) log p
+                    p = torch.exp(log_p)
+                    # grad_z = -p * (g_logp + g_H * (log p + H)) + g_logp * onehot(label), built in place in log_p
+                    if grad_entropy is not None:
+                        grad_z = log_p.add_(entropy[rows, None]).mul_(grad_entropy[rows, None])
+                        if grad_log_probs is not None:
+                            grad_z.add_(grad_log_probs[rows, None])
+                        grad_z.mul_(p).neg_()
+                    else:
+                        grad_z = p.mul_(-grad_log_probs[rows, None])
                     if grad_log_probs is not None:
-                        grad_z.add_(grad_log_probs[rows, None])
-                    grad_z.mul_(p).neg_()
-                else:
-                    grad_z = p.mul_(-grad_log_probs[rows, None])
-                if grad_log_probs is not None:
-                    grad_z.scatter_add_(1, labels[rows, None], grad_log_probs[rows, None].float())
-                grad_z = grad_z.mul_(ctx.scale).to(ctx.compute_dtype)  # d/d(h @ W^T)
+                        grad_z.scatter_add_(1, labels[rows, None], grad_log_probs[rows, None].float())
+                    if ctx.scale != 1.0:
+                        grad_z.mul_(ctx.scale)  # d/d(h @ W^T)
+                    sub = logits[rows.start - start:rows.stop - start]
+                    if grad_z.data_ptr() != sub.data_ptr():  # fp32 logits were worked on in place
+                        sub.copy_(grad_z)
+                grad_z, h = logits, hidden[start:start + len(logits)].to(ctx.compute_dtype)  # the chunk's d/dz
                 if grad_hidden is not None:
-                    grad_hidden[rows] = grad_z @ w
+                    grad_hidden[start:start + len(logits)] = grad_z @ w
                 if grad_weight is not None and grad_z.dtype == grad_weight.dtype:
-                    grad_weight.addmm_(grad_z.T, hidden[rows].to(grad_z.dtype))  # in place: no (V, d) temporary
+                    grad_weight.addmm_(grad_z.T, h)  # in place: no (V, d) temporary
                 elif grad_weight is not None:  # bf16 products, accumulated in fp32
-                    grad_weight += grad_z.T @ hidden[rows].to(ctx.compute_dtype)
+                    grad_weight += grad_z.T @ h
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
-    z = (hidden.to(weight.dtype) @ weight.T).float()  # (n, V)
-    return z if scale == 1.0 else z.mul_(scale)
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, chunk: int):
+    """(start, hidden[start:start + chunk] @ weight^T) in weight's dtype, chunk by chunk."""
+    for start in range(0, len(hidden), chunk):
+        yield start, hidden[start:start + chunk].to(weight.dtype) @ weight.T
+
+
+def _sub_chunks(logits: torch.Tensor, start: int, scale: float):
+    """(rows of the whole input, scale * logits of those rows in fp32), SUB_POSITIONS rows at a time; fp32 logits
+    are handed out as views, to be worked on in place."""
+    for s in range(0, len(logits), SUB_POSITIONS):
+        z = logits[s:s + SUB_POSITIONS].float()
+        yield slice(start + s, start + s + len(z)), (z if scale == 1.0 else z.mul_(scale))
 
 
 def fused_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float = 1.0,

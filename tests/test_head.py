@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from alignment import tokens
+from alignment import head, tokens
 from alignment.head import fused_log_probs
 from tests.conftest import build_tiny_model
 
@@ -26,9 +26,12 @@ def grads(fn, hidden, weight, labels, scale, weights_lp, weights_h):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_fused_head_matches_float64_in_fp32(temperature, entropy_grad):
+@pytest.mark.parametrize("sub", [32, 3])
+def test_fused_head_matches_float64_in_fp32(temperature, entropy_grad, sub, monkeypatch):
     """Log-probs, entropy and both gradients against the plain path in float64 (the truth), in chunks that do
-    not divide the positions; fp32's own rounding is the tolerance (the plain fp32 path is as far off)."""
+    not divide the positions, and sub-chunks that do not divide the chunks (sub 3: 8 = 3 + 3 + 2, the last
+    chunk of 5 = 3 + 2); fp32's own rounding is the tolerance (the plain fp32 path is as far off)."""
+    monkeypatch.setattr(head, "SUB_POSITIONS", sub)
     torch.manual_seed(0)
     hidden, weight, labels = torch.randn(37, 16, dtype=torch.float64), torch.randn(50, 16, dtype=torch.float64), \
         torch.randint(0, 50, (37,))
@@ -44,8 +47,11 @@ def test_fused_head_matches_float64_in_fp32(temperature, entropy_grad):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_fused_head_under_bf16_autocast_matches_the_plain_path_under_it(temperature):
-    """Under autocast the head's matmuls are bf16 in both paths, everything after them fp32."""
+@pytest.mark.parametrize("sub", [32, 5])
+def test_fused_head_under_bf16_autocast_matches_the_plain_path_under_it(temperature, sub, monkeypatch):
+    """Under autocast the head's matmuls are bf16 in both paths, everything after them fp32 (in sub-chunks of
+    the bf16 logits: 16 = 5 + 5 + 5 + 1)."""
+    monkeypatch.setattr(head, "SUB_POSITIONS", sub)
     torch.manual_seed(1)
     hidden, weight, labels = torch.randn(40, 32), torch.randn(64, 32), torch.randint(0, 64, (40,))
     weights_lp, weights_h = torch.randn(40), torch.randn(40)
