@@ -13,6 +13,8 @@ tokens, the advantages random: the work, not the learning, is measured. Each var
   plain         the full-vocabulary logits and torch's default (per-tensor) AdamW: the code before the levers
   fused_head    the output head fused with the log-softmax and entropy (alignment/head.py)
   default       fused head and fused AdamW (models.adamw): what the scripts run today
+  eager_attn    default with transformers' eager attention instead of torch's SDPA (measured, not adopted:
+                docs/results.md "The train phase, lever by lever")
 
 The floor is 6 N FLOPs per token (N parameters, the tied head included) over the prompt once and every
 response token, at this CPU's matmul rate in the run's precision, measured in the same run (the same
@@ -36,7 +38,7 @@ sys.path.insert(0, str(ROOT))  # bench/ is not a package: its scripts share code
 from alignment import data, grpo, models, tokens  # noqa: E402
 from alignment.evaluate import build_prompts  # noqa: E402
 from bench.rl_step import matmul_peak  # noqa: E402
-VARIANTS = ("plain", "fused_head", "default")
+VARIANTS = ("plain", "fused_head", "default", "eager_attn")
 
 
 def cpu_flags() -> str:
@@ -54,9 +56,11 @@ def run_variant(args, variant: str) -> dict:
     if variant == "plain":
         tokens._fused_scale = lambda model: None  # the full-logits path
     model = models.load_model(args.model)
+    if variant == "eager_attn":
+        model.set_attn_implementation("eager")
     model.train()
     _, autocast = models.train_precision("cpu", args.precision)
-    adamw = (torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95)) if variant != "default" else
+    adamw = (torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95)) if variant in ("plain", "fused_head") else
              models.adamw(model.parameters(), lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95)))
     tokenizer = models.load_tokenizer(args.model)
     row = data.load_gsm8k("test", args.data_dir)[0]
