@@ -20,7 +20,8 @@ them, as `model(...).logits.float()` would; the log-softmax, entropy and their g
 import torch
 
 CHUNK_POSITIONS = 512  # positions per head matmul: 512 x 49,152 vocab = 50 MB of bf16 (100 MB fp32) logits at a time
-SUB_POSITIONS = 32  # positions per pass of the log-softmax's elementwise work: 32 x 49,152 fp32 = 6 MB, in cache
+SUB_POSITIONS = 32  # positions per pass of the log-softmax's elementwise work on CPU: 32 x 49,152 fp32 = 6 MB, in
+# cache (on a GPU, where launching many small kernels costs and memory is fast, the whole chunk at once)
 # (on 2 AVX2 cores 512 was 14% faster than 128: fewer, larger matmuls. The elementwise passes over a whole chunk
 # ran at memory speed; in sub-chunks that stay in cache the head's forward + backward took 1.0 s instead of 1.4 s
 # in bf16 and 1.7 instead of 1.96 s in fp32 on 1,024 positions, 2 AVX512-BF16 cores; bench/train_phase.py)
@@ -30,7 +31,7 @@ class FusedHeadLogProbs(torch.autograd.Function):
     """(hidden (N, d), weight (V, d), labels (N,)) -> (log_probs (N,), entropy (N,)), fp32. The entropy's
     gradient flows only when the caller uses it (an entropy bonus); unused, it costs nothing in backward.
     Each chunk's logits come from one matmul in the compute dtype; the fp32 log-softmax then runs over them
-    SUB_POSITIONS rows at a time, and backward writes each sub-chunk's d/dz back into the chunk's logits
+    SUB_POSITIONS rows at a time on CPU, and backward writes each sub-chunk's d/dz back into the chunk's logits
     buffer, so the head's two backward matmuls again see the whole chunk."""
 
     @staticmethod
@@ -98,10 +99,11 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, chunk: int):
 
 
 def _sub_chunks(logits: torch.Tensor, start: int, scale: float):
-    """(rows of the whole input, scale * logits of those rows in fp32), SUB_POSITIONS rows at a time; fp32 logits
-    are handed out as views, to be worked on in place."""
-    for s in range(0, len(logits), SUB_POSITIONS):
-        z = logits[s:s + SUB_POSITIONS].float()
+    """(rows of the whole input, scale * logits of those rows in fp32), SUB_POSITIONS rows at a time on CPU (the
+    whole chunk elsewhere); fp32 logits are handed out as views, to be worked on in place."""
+    sub = SUB_POSITIONS if logits.device.type == "cpu" else len(logits)
+    for s in range(0, len(logits), sub):
+        z = logits[s:s + sub].float()
         yield slice(start + s, start + s + len(z)), (z if scale == 1.0 else z.mul_(scale))
 
 
