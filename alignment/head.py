@@ -20,11 +20,11 @@ them, as `model(...).logits.float()` would; the log-softmax, entropy and their g
 import torch
 
 CHUNK_POSITIONS = 512  # positions per head matmul: 512 x 49,152 vocab = 50 MB of bf16 (100 MB fp32) logits at a time
+# (on 2 AVX2 cores 512 was 14% faster than 128: fewer, larger matmuls; bench/train_phase.py)
 SUB_POSITIONS = 32  # positions per pass of the log-softmax's elementwise work on CPU: 32 x 49,152 fp32 = 6 MB, in
-# cache (on a GPU, where launching many small kernels costs and memory is fast, the whole chunk at once)
-# (on 2 AVX2 cores 512 was 14% faster than 128: fewer, larger matmuls. The elementwise passes over a whole chunk
-# ran at memory speed; in sub-chunks that stay in cache the head's forward + backward took 1.0 s instead of 1.4 s
-# in bf16 and 1.7 instead of 1.96 s in fp32 on 1,024 positions, 2 AVX512-BF16 cores; bench/train_phase.py)
+# cache, where whole-chunk passes ran at memory speed (the head's forward + backward on 1,024 positions, 2 AVX512-BF16
+# cores: 1.0 s instead of 1.4 s in bf16, 1.7 instead of 1.96 s in fp32; docs/results.md). On a GPU, where many small
+# kernels cost and memory is fast, the whole chunk at once.
 
 
 class FusedHeadLogProbs(torch.autograd.Function):
@@ -40,7 +40,7 @@ class FusedHeadLogProbs(torch.autograd.Function):
             w = weight.to(compute_dtype)  # (V, d): one cast per call, as autocast's weight cache does
             log_probs, entropy, log_norm = (hidden.new_zeros(len(hidden), dtype=torch.float32) for _ in range(3))
             for start, logits in _chunk_logits(hidden, w, chunk):
-                for rows, z in _sub_chunks(logits, start, scale):  # z: (n, V) fp32, scaled
+                for rows, z, _ in _sub_chunks(logits, start, scale):  # z: (n, V) fp32, scaled
                     log_norm[rows] = torch.logsumexp(z, dim=-1)
                     log_p = z.sub_(log_norm[rows, None])  # in place: log p
                     log_probs[rows] = log_p.gather(1, labels[rows, None]).squeeze(1)
@@ -63,7 +63,7 @@ class FusedHeadLogProbs(torch.autograd.Function):
             grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
             grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
             for start, logits in _chunk_logits(hidden, w, ctx.chunk):  # the chunk's logits, recomputed
-                for rows, log_p in _sub_chunks(logits, start, ctx.scale):
+                for rows, log_p, part in _sub_chunks(logits, start, ctx.scale):
                     log_p = log_p.sub_(log_norm[rows, None])  # (n, V) log p
                     p = torch.exp(log_p)
                     # grad_z = -p * (g_logp + g_H * (log p + H)) + g_logp * onehot(label), built in place in log_p
@@ -78,9 +78,8 @@ class FusedHeadLogProbs(torch.autograd.Function):
                         grad_z.scatter_add_(1, labels[rows, None], grad_log_probs[rows, None].float())
                     if ctx.scale != 1.0:
                         grad_z.mul_(ctx.scale)  # d/d(h @ W^T)
-                    sub = logits[rows.start - start:rows.stop - start]
-                    if grad_z.data_ptr() != sub.data_ptr():  # fp32 logits were worked on in place
-                        sub.copy_(grad_z)
+                    if grad_z.data_ptr() != part.data_ptr():  # not built in place in the chunk's fp32 logits
+                        part.copy_(grad_z)
                 grad_z, h = logits, hidden[start:start + len(logits)].to(ctx.compute_dtype)  # the chunk's d/dz
                 if grad_hidden is not None:
                     grad_hidden[start:start + len(logits)] = grad_z @ w
@@ -99,12 +98,13 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, chunk: int):
 
 
 def _sub_chunks(logits: torch.Tensor, start: int, scale: float):
-    """(rows of the whole input, scale * logits of those rows in fp32), SUB_POSITIONS rows at a time on CPU (the
-    whole chunk elsewhere); fp32 logits are handed out as views, to be worked on in place."""
+    """(rows of the whole input, scale * logits of those rows in fp32, the chunk's own rows), SUB_POSITIONS rows
+    at a time on CPU (the whole chunk elsewhere); fp32 logits are handed out as views, to be worked on in place."""
     sub = SUB_POSITIONS if logits.device.type == "cpu" else len(logits)
     for s in range(0, len(logits), sub):
-        z = logits[s:s + sub].float()
-        yield slice(start + s, start + s + len(z)), (z if scale == 1.0 else z.mul_(scale))
+        part = logits[s:s + sub]
+        z = part.float()
+        yield slice(start + s, start + s + len(z)), (z if scale == 1.0 else z.mul_(scale)), part
 
 
 def fused_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float = 1.0,
