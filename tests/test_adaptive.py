@@ -145,6 +145,7 @@ def test_an_adaptive_run_trains_logs_its_samples_and_replays_exactly(tiny_model_
     steps = [m for m in runs[0] if "loss" in m]
     assert len(steps) == 2 and all(4 <= m["samples_per_question"] <= 12 for m in steps)
     assert any(m["samples_per_question"] > 4 for m in steps) and all(m["kept_traces"] == 8 for m in steps)
+    assert all(0 <= m["balanced_fraction"] <= m["spread_fraction"] <= 1 for m in steps)  # as docs/algorithms.md lists
     # every sampled token is counted: the first round's (8 answers) and the growth rounds'
     assert all(m["sampled_tokens"] > 8 * m["response_tokens"] for m in steps if m["samples_per_question"] > 4)
 
