@@ -227,8 +227,8 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
                "response_tokens": sum(lengths) / len(lengths),
                "kept_traces": len(kept), "sampling_rounds": len(metas), "questions_sampled": len(metas) * questions}
     if grown:  # adaptive groups: samples per question, share with spread, and every sampled token
-        metrics.update({key: sum(g[key] for g in grown) / len(grown) for key in ("samples_per_question", "spread_fraction",
-                                                                          "balanced_fraction")})
+        means = ("samples_per_question", "spread_fraction", "balanced_fraction")
+        metrics.update({key: sum(g[key] for g in grown) / len(grown) for key in means})
         metrics["samples_per_question_max"] = max(g["samples_per_question_max"] for g in grown)
     metrics["sampled_tokens"] = sum(lengths) + sum(g["growth_tokens"] for g in grown)
     if args.rollout_mode == "tir":
