@@ -32,21 +32,32 @@ from pathlib import Path
 from alignment.worked import parse_expression
 
 ROOT = Path(__file__).resolve().parent.parent
-TASK = "rg:chain_sum:min_terms={0},max_terms={1},max_digits=1"
-SFT_TASK, RL_TASK, TRANSFER_TASK = TASK.format(2, 4), TASK.format(5, 5), TASK.format(6, 6)
+TASKS = {  # --task: SFT on 2-4 numbers, RL and evaluation on 5, transfer to 6
+    "chain_sum": "rg:chain_sum:min_terms={0},max_terms={1},max_digits=1",
+    "sums": "rg:basic_arithmetic:min_terms={0},max_terms={1},max_digits=1,operators=+,allow_negation=false,"
+            "allow_parentheses=false",
+}
+
+
+def tasks(name: str) -> tuple[str, str, str]:
+    """(SFT, RL, transfer) reasoning-gym specs of the task `name`."""
+    return tuple(TASKS[name].format(low, high) for low, high in ((2, 4), (5, 5), (6, 6)))
+
+
 MAX_TOKENS = "128"  # a 6-number solution is ~60 tokens; room for one that runs on
 GROUP_SIZE_MAX = "16"  # RL's adaptive groups: 4 answers a question, up to 16 until right and wrong both appear
 
 
-def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int, style: str) -> list[str]:
-    return ["-m", "alignment.sft", "--model", model, "--dataset", SFT_TASK, "--worked_style", style, "--max_examples", str(examples), "--batch_size", "8",
-            "--microbatch_size", "8", "--eval_dataset", RL_TASK, "--eval_limit", str(limit), "--eval_max_tokens",
+def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int, style: str, task: str) -> list[str]:
+    sft_task, rl_task, _ = tasks(task)
+    return ["-m", "alignment.sft", "--model", model, "--dataset", sft_task, "--worked_style", style, "--max_examples", str(examples), "--batch_size", "8",
+            "--microbatch_size", "8", "--eval_dataset", rl_task, "--eval_limit", str(limit), "--eval_max_tokens",
             MAX_TOKENS, "--no_eval_before_train", "--seed", str(seed), "--output_dir", str(run_dir)]
 
 
-def rl_command(seed: int, run_dir: Path, sft_dir: Path, steps: int, limit: int, backend: str) -> list[str]:
+def rl_command(seed: int, run_dir: Path, sft_dir: Path, steps: int, limit: int, backend: str, task: str) -> list[str]:
     # adaptive groups: after SFT the policy's entropy is ~0.05, so 4 answers to a question rarely differ
-    return ["-m", "alignment.train_rl", "--model", str(sft_dir), "--dataset", RL_TASK, "--n_steps", str(steps),
+    return ["-m", "alignment.train_rl", "--model", str(sft_dir), "--dataset", tasks(task)[1], "--n_steps", str(steps),
             "--eval_every", "5", "--eval_limit", str(limit), "--sampling_max_tokens", MAX_TOKENS, "--eval_max_tokens",
             MAX_TOKENS, "--save_every", "1", "--seed", str(seed), "--group_size_max", GROUP_SIZE_MAX,
             "--backend", backend, "--output_dir", str(run_dir)]
@@ -97,16 +108,18 @@ def summary(eval_dir: Path) -> dict:
 def run_seed(seed: int, args, out: Path) -> dict:
     sft_dir, rl_dir = out / f"sft-seed{seed}", out / f"rl-seed{seed}"
     sft_steps = args.sft_examples // 8
-    seconds = {"sft": stage(f"sft-seed{seed}", sft_command(args.model, seed, sft_dir, args.sft_examples, args.limit, args.worked_style), out,
+    _, rl_task, transfer_task = tasks(args.task)
+    seconds = {"sft": stage(f"sft-seed{seed}", sft_command(args.model, seed, sft_dir, args.sft_examples, args.limit,
+                                                           args.worked_style, args.task), out,
                             finished(sft_dir, "step", sft_steps), sft_dir)}
-    for task_name, task in (("trained", RL_TASK), ("transfer", TRANSFER_TASK)):
+    for task_name, task in (("trained", rl_task), ("transfer", transfer_task)):
         name = f"eval-sft-seed{seed}-{task_name}"
         seconds[name] = stage(name, eval_command(str(sft_dir), task, out / name, args.limit), out,
                               (out / name / "summary.json").exists())
-    seconds["rl"] = stage(f"rl-seed{seed}", rl_command(seed, rl_dir, sft_dir, args.rl_steps, args.limit, args.rl_backend)
+    seconds["rl"] = stage(f"rl-seed{seed}", rl_command(seed, rl_dir, sft_dir, args.rl_steps, args.limit, args.rl_backend, args.task)
                           + args.rl_flags.split(), out,
                           finished(rl_dir, "step", args.rl_steps), rl_dir)
-    for task_name, task in (("trained", RL_TASK), ("transfer", TRANSFER_TASK)):
+    for task_name, task in (("trained", rl_task), ("transfer", transfer_task)):
         name = f"eval-rl-seed{seed}-{task_name}"
         seconds[name] = stage(name, eval_command(str(rl_dir), task, out / name, args.limit), out,
                               (out / name / "summary.json").exists())
@@ -118,11 +131,12 @@ def run_seed(seed: int, args, out: Path) -> dict:
 
 
 def write_table(rows: list[dict], base: dict, out: Path, args):
+    sft_task, rl_task, transfer_task = tasks(args.task)
     def cell(s: dict) -> str:
         return f"{s['avg_answer_rewards']:.2f} ({s['mean_response_tokens']:.0f} tok, {s['steps_written']:.0%} all steps)"
     lines = [f"Greedy answer rate on {args.limit} held-out questions (mean response tokens; share of answers that "
              f"write every step, one `a op b = c.` per operation); trained difficulty: "
-             f"{RL_TASK}, transfer: {TRANSFER_TASK}; SFT on {SFT_TASK} ({args.sft_examples} worked solutions), RL "
+             f"{rl_task}, transfer: {transfer_task}; SFT on {sft_task} ({args.sft_examples} worked solutions), RL "
              f"{args.rl_steps} steps of GRPO-clip, --group_size_max {GROUP_SIZE_MAX}, {args.rl_backend} sampler"
              f"{' ' + args.rl_flags if args.rl_flags else ''}; worked style "
              f"{args.worked_style}.", "",
@@ -165,6 +179,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
+    parser.add_argument("--task", choices=tuple(TASKS), default="chain_sum",
+                        help="chain_sum: one-digit numbers joined by + and - (running totals cross zero); sums: "
+                             "one-digit numbers joined by + only (basic_arithmetic)")
     parser.add_argument("--sft_examples", type=int, default=960, help="worked solutions in SFT (8 per step)")
     parser.add_argument("--rl_steps", type=int, default=15, help="RL steps (8 questions, 4-16 answers each)")
     parser.add_argument("--rl_backend", choices=("vllm", "hf"), default="vllm",
@@ -183,7 +200,7 @@ def main():
     try:
         rows = [run_seed(seed, args, out) for seed in args.seeds]
         base = {}  # the start model, the same for every seed: measured once, last
-        for task_name, task in (("trained", RL_TASK), ("transfer", TRANSFER_TASK)):
+        for task_name, task in zip(("trained", "transfer"), tasks(args.task)[1:]):
             name = f"eval-start-{task_name}"
             stage(name, eval_command(args.model, task, out / name, args.limit), out,
                   (out / name / "summary.json").exists())

@@ -112,10 +112,11 @@ def test_sft_on_a_task_trains_on_worked_solutions_and_never_on_an_evaluation_que
     assert all(e["response"].count(" = ") == 1 and e["response"].startswith(" ") for e in rewrites)  # 2 numbers: 1 step
 
 
-def test_the_recipe_never_trains_on_a_question_it_evaluates_on():
+@pytest.mark.parametrize("task", sorted(demo.TASKS))
+def test_the_recipe_never_trains_on_a_question_it_evaluates_on(task):
     """SFT on the easier settings, RL on a harder one, transfer one step harder: no evaluation question of either
     RL difficulty is an SFT or an RL training question, under any of the three seeds."""
-    easy, hard, harder = demo.SFT_TASK, demo.RL_TASK, demo.TRANSFER_TASK
+    easy, hard, harder = demo.tasks(task)
     for seed in range(3):
         sft_args = SFTArgs(dataset=easy, eval_dataset=hard, rg_size=2000, seed=seed)
         rl_args = RLArgs(dataset=hard, rg_size=2000, seed=seed, eval_limit=100)
@@ -136,7 +137,7 @@ def test_sft_then_rl_on_the_task_with_a_tiny_model(tiny_model_dir, tmp_path):
     that run folder on the harder one."""
     from tests.test_sft import tiny_args as sft_args
     from tests.test_train_rl import tiny_args as rl_args
-    easy, hard = demo.SFT_TASK, demo.RL_TASK
+    easy, hard, _ = demo.tasks("chain_sum")
     result = sft.main(sft_args(tiny_model_dir, tmp_path / "sft", dataset=easy, rg_size=40, eval_dataset=hard))
     assert result["steps"] == 2 and result["last_eval"]["count"] == 2
     rl = train_rl.main(rl_args(str(tmp_path / "sft"), tmp_path / "rl", dataset=hard, eval_every=2, eval_limit=2))
