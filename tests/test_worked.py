@@ -155,6 +155,8 @@ def test_the_demo_driver_runs_every_stage_and_resumes(tiny_model_dir, tmp_path):
     first = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     table = (tmp_path / "demo" / "steps_demo.md").read_text()
-    assert "| 0 |" in table and "after RL" in (tmp_path / "demo" / "samples.md").read_text()
+    samples = (tmp_path / "demo" / "samples.md").read_text()
+    assert "| 0 |" in table and "after RL" in samples
+    assert "- Calculate " in samples and "A conversation" not in samples  # each sample names its question
     again = subprocess.run(command, capture_output=True, text=True, timeout=900)  # every stage kept
     assert again.returncode == 0 and again.stdout.count("done, kept") == 8, again.stdout
