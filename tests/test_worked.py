@@ -74,6 +74,16 @@ def test_every_step_is_right_and_the_answer_grades_1(task):
     assert any(row["answer"].startswith("-") for row in rows)  # the signs are exercised
 
 
+@pytest.mark.parametrize("name", sorted(demo.TASKS))
+def test_the_demos_solutions_are_right_at_every_difficulty(name):
+    """bench/steps_demo.py's tasks as it runs them: SFT's, RL's and the transfer difficulty."""
+    for spec in demo.tasks(name):
+        for row in data.load_reasoning_gym(spec.removeprefix("rg:"), 200, seed=0):
+            response = worked.worked_solution(row)
+            check_steps(row["question"], response, row["answer"])
+            assert r1_zero_reward_fn(response, row["answer"])["reward"] == 1.0
+
+
 def test_the_text_of_a_solution():
     row = {"question": "State the final answer to the following arithmetic problem: 57 + 87 - 70 =", "answer": "74"}
     assert worked.worked_solution(row) == " 57 + 87 = 144. 144 - 70 = 74. </think> <answer> 74 </answer>"
@@ -137,7 +147,7 @@ def test_sft_then_rl_on_the_task_with_a_tiny_model(tiny_model_dir, tmp_path):
     that run folder on the harder one."""
     from tests.test_sft import tiny_args as sft_args
     from tests.test_train_rl import tiny_args as rl_args
-    easy, hard, _ = demo.tasks("chain_sum")
+    easy, hard, _ = demo.tasks("sums")
     result = sft.main(sft_args(tiny_model_dir, tmp_path / "sft", dataset=easy, rg_size=40, eval_dataset=hard))
     assert result["steps"] == 2 and result["last_eval"]["count"] == 2
     rl = train_rl.main(rl_args(str(tmp_path / "sft"), tmp_path / "rl", dataset=hard, eval_every=2, eval_limit=2))
