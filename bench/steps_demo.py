@@ -51,16 +51,16 @@ GROUP_SIZE_MAX = "16"  # RL's adaptive groups: 4 answers a question, up to 16 un
 LEARNING_RATE = "1e-5"  # at train_rl's 3e-5 the answers overshot the last number and collapsed (docs/results.md)
 
 
-def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int, style: str, task: str) -> list[str]:
-    sft_task, rl_task, _ = tasks(task)
+def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int, style: str, sft_task: str,
+                rl_task: str) -> list[str]:
     return ["-m", "alignment.sft", "--model", model, "--dataset", sft_task, "--worked_style", style, "--max_examples", str(examples), "--batch_size", "8",
             "--microbatch_size", "8", "--eval_dataset", rl_task, "--eval_limit", str(limit), "--eval_max_tokens",
             MAX_TOKENS, "--no_eval_before_train", "--seed", str(seed), "--output_dir", str(run_dir)]
 
 
-def rl_command(seed: int, run_dir: Path, sft_dir: Path, steps: int, limit: int, backend: str, task: str) -> list[str]:
+def rl_command(seed: int, run_dir: Path, sft_dir: Path, steps: int, limit: int, backend: str, rl_task: str) -> list[str]:
     # adaptive groups: after SFT the policy's entropy is ~0.05, so 4 answers to a question rarely differ
-    return ["-m", "alignment.train_rl", "--model", str(sft_dir), "--dataset", tasks(task)[1], "--n_steps", str(steps),
+    return ["-m", "alignment.train_rl", "--model", str(sft_dir), "--dataset", rl_task, "--n_steps", str(steps),
             "--eval_every", "5", "--eval_limit", str(limit), "--sampling_max_tokens", MAX_TOKENS, "--eval_max_tokens",
             MAX_TOKENS, "--save_every", "1", "--seed", str(seed), "--group_size_max", GROUP_SIZE_MAX,
             "--learning_rate", LEARNING_RATE, "--backend", backend, "--output_dir", str(run_dir)] + \
@@ -117,15 +117,15 @@ def summary(eval_dir: Path) -> dict:
 def run_seed(seed: int, args, out: Path) -> dict:
     sft_dir, rl_dir = out / f"sft-seed{seed}", out / f"rl-seed{seed}"
     sft_steps = args.sft_examples // 8
-    _, rl_task, transfer_task = tasks(args.task)
+    sft_task, rl_task, transfer_task = tasks(args.task)
     seconds = {"sft": stage(f"sft-seed{seed}", sft_command(args.model, seed, sft_dir, args.sft_examples, args.limit,
-                                                           args.worked_style, args.task), out,
+                                                           args.worked_style, sft_task, rl_task), out,
                             finished(sft_dir, "step", sft_steps), sft_dir)}
     for task_name, task in (("trained", rl_task), ("transfer", transfer_task)):
         name = f"eval-sft-seed{seed}-{task_name}"
         seconds[name] = stage(name, eval_command(str(sft_dir), task, out / name, args.limit), out,
                               (out / name / "summary.json").exists())
-    seconds["rl"] = stage(f"rl-seed{seed}", rl_command(seed, rl_dir, sft_dir, args.rl_steps, args.limit, args.rl_backend, args.task)
+    seconds["rl"] = stage(f"rl-seed{seed}", rl_command(seed, rl_dir, sft_dir, args.rl_steps, args.limit, args.rl_backend, rl_task)
                           + args.rl_flags.split(), out,
                           finished(rl_dir, "step", args.rl_steps), rl_dir)
     for task_name, task in (("trained", rl_task), ("transfer", transfer_task)):
