@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
                           LlamaForCausalLM)
 
-from alignment import distributed, lora
+from alignment import attention, distributed, lora
 from alignment.errors import MissingFileError, UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -195,7 +195,8 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
     device does bf16 fast, see default_dtype)."""
     path = resolve_model(name)
     dtype = dtype or default_dtype(device)
-    model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype, device_map=device_map)
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype, device_map=device_map,
+                             attn_implementation=attention.NAME)
     if device_map is None:
         model.to(device)
     return model.eval()
@@ -210,7 +211,8 @@ def load_critic(name: str, device: str = "cpu", dtype: torch.dtype | None = None
     config = _from_pretrained(AutoConfig, path, num_labels=1)
     config.classifier_dropout = 0.0  # the head's dropout would make every value estimate noisy
     model, info = _from_pretrained(AutoModelForTokenClassification, path, config=config,
-                                   dtype=dtype or train_precision(device)[0], output_loading_info=True)
+                                   dtype=dtype or train_precision(device)[0], output_loading_info=True,
+                                   attn_implementation=attention.NAME)
     if any(key.startswith("score.") for key in info["missing_keys"]):
         torch.nn.init.zeros_(model.score.weight)
         torch.nn.init.zeros_(model.score.bias)

@@ -10,10 +10,12 @@ entropy) and `grpo.policy_microbatch_train_step` (GRPO-clip), then one AdamW ste
 tokens, the advantages random: the work, not the learning, is measured. Each variant runs in a fresh process
 (its peak RSS is its own), on the same model, data and threads:
 
-  plain         the full-vocabulary logits and torch's default (per-tensor) AdamW: the code before the levers
-  fused_head    the output head fused with the log-softmax and entropy (alignment/head.py)
-  default       fused head and fused AdamW (models.adamw): what the scripts run today
-  eager_attn    default with transformers' eager attention instead of torch's SDPA (measured, not adopted:
+  plain         the full-vocabulary logits, torch's default (per-tensor) AdamW and transformers' SDPA attention:
+                the code before the levers
+  fused_head    plain with the output head fused with the log-softmax and entropy (alignment/head.py)
+  sdpa_attn     fused head and fused AdamW (models.adamw), transformers' SDPA attention
+  default       sdpa_attn with the project's attention (alignment/attention.py): what the scripts run today
+  eager_attn    default with transformers' eager attention instead (measured, not adopted:
                 docs/results.md "The train phase, lever by lever")
 
 The floor is 6 N FLOPs per token (N parameters, the tied head included) over the prompt once and every
@@ -38,7 +40,7 @@ sys.path.insert(0, str(ROOT))  # bench/ is not a package: its scripts share code
 from alignment import data, grpo, models, tokens  # noqa: E402
 from alignment.evaluate import build_prompts  # noqa: E402
 from bench.rl_step import matmul_peak  # noqa: E402
-VARIANTS = ("plain", "fused_head", "default", "eager_attn")
+VARIANTS = ("plain", "fused_head", "sdpa_attn", "default", "eager_attn")
 
 
 def cpu_flags() -> str:
@@ -56,8 +58,8 @@ def run_variant(args, variant: str) -> dict:
     if variant == "plain":
         tokens._fused_scale = lambda model: None  # the full-logits path
     model = models.load_model(args.model)
-    if variant == "eager_attn":
-        model.set_attn_implementation("eager")
+    if variant != "default":
+        model.set_attn_implementation("eager" if variant == "eager_attn" else "sdpa")
     model.train()
     _, autocast = models.train_precision("cpu", args.precision)
     adamw = (torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95)) if variant in ("plain", "fused_head") else
