@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-NAME = "alignment_sdpa"  # the attn_implementation the models are loaded with (models.load_model)
+NAME = "alignment_sdpa"  # the attn_implementation models.load_model switches transformers' "sdpa" to
 FP32_QUERIES = 128  # on CPU, attention over at most this many query tokens runs in fp32
 
 
@@ -45,3 +45,11 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 
 AttentionInterface.register(NAME, attention)
 AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks as transformers builds for "sdpa"
+
+
+def use_in(model):
+    """`model` (loaded with transformers' SDPA attention) runs this one from now on; a model that runs another
+    attention (eager, flash) or does not take its attention from transformers' interface keeps its own."""
+    if model.config._attn_implementation == "sdpa" and model.is_backend_compatible():
+        model.set_attn_implementation(NAME)
+    return model

@@ -195,8 +195,7 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None,
     device does bf16 fast, see default_dtype)."""
     path = resolve_model(name)
     dtype = dtype or default_dtype(device)
-    model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype, device_map=device_map,
-                             attn_implementation=attention.NAME)
+    model = attention.use_in(_from_pretrained(AutoModelForCausalLM, path, dtype=dtype, device_map=device_map))
     if device_map is None:
         model.to(device)
     return model.eval()
@@ -211,8 +210,8 @@ def load_critic(name: str, device: str = "cpu", dtype: torch.dtype | None = None
     config = _from_pretrained(AutoConfig, path, num_labels=1)
     config.classifier_dropout = 0.0  # the head's dropout would make every value estimate noisy
     model, info = _from_pretrained(AutoModelForTokenClassification, path, config=config,
-                                   dtype=dtype or train_precision(device)[0], output_loading_info=True,
-                                   attn_implementation=attention.NAME)
+                                   dtype=dtype or train_precision(device)[0], output_loading_info=True)
+    attention.use_in(model)
     if any(key.startswith("score.") for key in info["missing_keys"]):
         torch.nn.init.zeros_(model.score.weight)
         torch.nn.init.zeros_(model.score.bias)

@@ -105,5 +105,13 @@ def test_shared_prompt_log_probs_and_gradients_match_transformers_sdpa(precision
         torch.testing.assert_close(b, a, atol=tolerance, rtol=tolerance)
 
 
-def test_models_load_with_this_attention(tiny_model_dir):
-    assert models.load_model(tiny_model_dir).config._attn_implementation == attention.NAME
+def test_models_load_with_this_attention_and_save_without_it(tiny_model_dir, tmp_path):
+    model = models.load_model(tiny_model_dir)
+    assert model.config._attn_implementation == attention.NAME
+    model.save_pretrained(tmp_path)  # a saved checkpoint names no attention: vLLM and transformers read it as before
+    assert attention.NAME not in (tmp_path / "config.json").read_text()
+
+
+def test_a_model_on_another_attention_keeps_it():
+    assert attention.use_in(gqa_model("eager")).config._attn_implementation == "eager"
+    assert attention.use_in(gqa_model("sdpa")).config._attn_implementation == attention.NAME
