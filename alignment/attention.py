@@ -33,14 +33,15 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
                                                          else is_causal)
     if causal and key.shape[2] > length:  # an empty static cache's prefill: the kernel's mask is top-left aligned
         key, value = key[:, :, :length], value[:, :, :length]
-    # under autocast the kernel would take the autocast dtype (rotary embeddings leave queries and keys in fp32)
+    # the dtype transformers' call would compute and return in: under autocast the autocast dtype (rotary embeddings
+    # leave queries and keys in fp32), else the model's
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
-    dtype = torch.float32 if length <= FP32_QUERIES else dtype
+    compute = torch.float32 if length <= FP32_QUERIES else dtype
     with torch.autocast("cpu", enabled=False):
         out = torch.nn.functional.scaled_dot_product_attention(
-            query.to(dtype), key.to(dtype), value.to(dtype), attn_mask=attention_mask, dropout_p=dropout,
+            query.to(compute), key.to(compute), value.to(compute), attn_mask=attention_mask, dropout_p=dropout,
             scale=scaling, is_causal=causal, enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).contiguous(), None  # the output projection casts it as autocast says
+    return out.to(dtype).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(NAME, attention)

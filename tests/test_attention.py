@@ -45,15 +45,28 @@ def test_grouped_heads_match_the_truth_in_fp32():
 
 def test_short_queries_run_in_fp32_under_bf16_autocast():
     """Queries and keys arrive in fp32 (after the rotary embedding): up to FP32_QUERIES query tokens the kernel
-    keeps them, so under bf16 autocast the result is fp32-exact where transformers' SDPA rounds to bf16."""
+    keeps them, so under bf16 autocast the output is the exact attention rounded once to bf16 (for the output
+    projection), where transformers' SDPA computes in bf16 and is off in most places."""
     query, key, value, mask = inputs(attention.FP32_QUERIES)
-    exact = truth(query, key, value, mask)
+    rounded = truth(query, key, value, mask).to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours, _ = attention.attention(Module(), query, key, value, mask)
         theirs = torch.nn.functional.scaled_dot_product_attention(
             query, key.repeat_interleave(4, 1), value.repeat_interleave(4, 1), attn_mask=mask).transpose(1, 2)
-    assert ours.dtype == torch.float32 and theirs.dtype == torch.bfloat16
-    assert (ours.double() - exact).abs().max() < 1e-5 < (theirs.double() - exact).abs().max()
+    assert ours.dtype == theirs.dtype == torch.bfloat16  # what the output projection gets, as before
+    assert (ours == rounded).float().mean() > 0.999  # (a last-bit tie here and there)
+    assert (theirs == rounded).float().mean() < 0.9
+
+
+def test_a_bf16_model_without_autocast_gets_bf16_back():
+    """Evaluation and sampling run a model whose weights are bf16, without autocast: the output projection needs
+    bf16, short query blocks included."""
+    model = attention.use_in(gqa_model("sdpa")).to(torch.bfloat16)
+    ids = torch.randint(0, 300, (2, 7))
+    with torch.no_grad():
+        out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        step = model(ids[:, :1], attention_mask=torch.ones(2, 8, dtype=torch.long), past_key_values=out.past_key_values)
+    assert out.logits.dtype == step.logits.dtype == torch.bfloat16
 
 
 def test_long_queries_run_in_the_autocast_dtype():
