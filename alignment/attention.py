@@ -7,9 +7,9 @@ its backward ran faster in fp32 than in bf16 for short query blocks: one layer o
 3 key/value heads) for 8 answers of 127 tokens on a 162-token prompt, forward and backward on 2 cores,
 31.9 ms as transformers calls it, 28.5 ms with grouped heads, 23.9 ms grouped in fp32; a decode step (one
 query token over 300 keys) 7.5, 5.7 and 1.8 ms; from 255 query tokens up, fp32 was 3-7% slower than bf16
-(docs/results.md, "The train phase, lever by lever"). So on CPU
-the grouped kernel, in fp32 up to FP32_QUERIES query tokens. The maths is the same attention; fp32 is the
-more precise of the two. Anything else (a GPU, a paged cache, position biases) goes to transformers' own.
+(docs/results.md, "The train phase, lever by lever"). So on CPU the grouped kernel, in fp32 up to
+FP32_QUERIES query tokens. The maths is the same attention; fp32 is the more precise of the two. Anything
+else (a GPU, a paged cache, position biases) goes to transformers' own.
 """
 
 import torch

@@ -19,12 +19,12 @@ class Module(torch.nn.Module):
     is_causal = True
 
 
-def inputs(length: int, prompt: int = 9, dtype=torch.float32):
+def inputs(length: int, prompt: int = 9):
     """8 query heads over 2 key/value heads: `length` answer positions attending to a shared prompt and causally
     to themselves, the mask as transformers hands it over."""
     torch.manual_seed(0)
-    query = torch.randn(3, 8, length, 16, dtype=dtype, requires_grad=True)
-    key, value = (torch.randn(3, 2, prompt + length, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    query = torch.randn(3, 8, length, 16, requires_grad=True)
+    key, value = (torch.randn(3, 2, prompt + length, 16, requires_grad=True) for _ in range(2))
     mask = torch.ones(length, prompt + length, dtype=torch.bool).tril(prompt)[None, None].expand(3, 1, -1, -1)
     return query, key, value, mask
 
@@ -78,9 +78,8 @@ def test_long_queries_run_in_the_autocast_dtype():
 
 
 def test_causal_without_a_mask_and_other_devices_go_to_transformers(monkeypatch):
-    query, key, value, _ = inputs(6, prompt=0)
+    query, key, value, causal = inputs(6, prompt=0)  # no prompt: the mask is the plain causal one
     out, _ = attention.attention(Module(), query, key, value, None)  # the prompt's forward: the kernel's causal mask
-    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None].expand(3, 1, -1, -1)
     torch.testing.assert_close(out.double(), truth(query, key, value, causal), atol=1e-5, rtol=1e-5)
     calls = []
     monkeypatch.setattr(attention, "sdpa_attention_forward", lambda *a, **k: calls.append(a[1].device.type))
