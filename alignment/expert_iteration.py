@@ -81,6 +81,7 @@ def fine_tune(model, tokenizer, examples: list[dict], args: EIArgs, step: int, d
 
 def main(args: EIArgs) -> dict:
     args.check()
+    models.keep_freed_memory()  # each step reuses the last one's memory: no page faults
     if distributed.launched():
         raise UserError("expert iteration runs in one process: start it with `uv run -m alignment.expert_iteration`, "
                         "not torchrun.")

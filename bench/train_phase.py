@@ -14,7 +14,9 @@ tokens, the advantages random: the work, not the learning, is measured. Each var
                 the code before the levers
   fused_head    plain with the output head fused with the log-softmax and entropy (alignment/head.py)
   sdpa_attn     fused head and fused AdamW (models.adamw), transformers' SDPA attention
-  default       sdpa_attn with the project's attention (alignment/attention.py): what the scripts run today
+  glibc_malloc  sdpa_attn with the project's attention (alignment/attention.py), glibc's allocator as it comes
+  default       glibc_malloc keeping freed memory for the next step (models.keep_freed_memory): what the
+                training scripts run today
   eager_attn    default with transformers' eager attention instead (measured, not adopted:
                 docs/results.md "The train phase, lever by lever")
 
@@ -40,7 +42,7 @@ sys.path.insert(0, str(ROOT))  # bench/ is not a package: its scripts share code
 from alignment import data, grpo, models, tokens  # noqa: E402
 from alignment.evaluate import build_prompts  # noqa: E402
 from bench.rl_step import matmul_peak  # noqa: E402
-VARIANTS = ("plain", "fused_head", "sdpa_attn", "default", "eager_attn")
+VARIANTS = ("plain", "fused_head", "sdpa_attn", "glibc_malloc", "default", "eager_attn")
 
 
 def cpu_flags() -> str:
@@ -55,10 +57,12 @@ def run_variant(args, variant: str) -> dict:
     """One variant in this process: the timed steps' seconds and this process's peak RSS."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if variant not in ("plain", "fused_head", "sdpa_attn", "glibc_malloc"):
+        models.keep_freed_memory()
     if variant == "plain":
         tokens._fused_scale = lambda model: None  # the full-logits path
     model = models.load_model(args.model)
-    if variant != "default":
+    if variant in ("plain", "fused_head", "sdpa_attn", "eager_attn"):
         model.set_attn_implementation("eager" if variant == "eager_attn" else "sdpa")
     model.train()
     _, autocast = models.train_precision("cpu", args.precision)
