@@ -29,7 +29,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from alignment import distributed, models
+from alignment import allocator, distributed, models
 from alignment.args import EIArgs, parse
 from alignment.errors import UserError, cli
 from alignment.evaluate import check_context, evaluate
@@ -81,7 +81,8 @@ def fine_tune(model, tokenizer, examples: list[dict], args: EIArgs, step: int, d
 
 def main(args: EIArgs) -> dict:
     args.check()
-    models.keep_freed_memory()  # each step reuses the last one's memory: no page faults
+    if args.keep_freed_memory:  # each step reuses the last one's memory: faster, more resident memory
+        allocator.keep_freed_memory()
     if distributed.launched():
         raise UserError("expert iteration runs in one process: start it with `uv run -m alignment.expert_iteration`, "
                         "not torchrun.")

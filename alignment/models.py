@@ -6,12 +6,10 @@ this project), or the name of a model shipped inside a PyPI package (`smollm2-13
 """
 
 import contextlib
-import ctypes
 import importlib.util
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -111,29 +109,6 @@ def adamw(params, lr: float, weight_decay: float, betas: tuple[float, float] = (
     params = list(params)
     fused = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused or None)
-
-
-# glibc's mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-
-
-def keep_freed_memory(limit: int = 1 << 30) -> bool:
-    """Let glibc's allocator keep the memory a training step frees, for the next step to reuse.
-
-    By default glibc serves blocks above a (dynamic, at most 32 MiB) threshold with a fresh mmap and returns
-    them to the OS on free, and trims the heap's free top: every step then touches its activations' pages anew,
-    one page fault per 4 KiB (about 500,000 a GRPO step of SmolLM2-135M on CPU), and vLLM-CPU in the same
-    process binds memory to its NUMA node, which makes each fault dearer. With both thresholds at `limit`
-    the blocks stay in the heap and are reused: the same numbers, fewer faults (docs/results.md "The train
-    phase, lever by lever"). Peak RSS is the step's peak either way; between steps it no longer shrinks.
-    A process setting for the training scripts; True where it took effect (glibc), False elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, limit)) and bool(libc.mallopt(M_TRIM_THRESHOLD, limit))
-    except (OSError, AttributeError):  # not glibc (musl, ...): its allocator as it is
-        return False
 
 
 def is_model_folder(path) -> bool:

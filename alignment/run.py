@@ -43,7 +43,7 @@ from alignment.errors import MissingFileError, StoppedAtOnce, UserError
 STATE_FILE = "trainer_state.pt"
 SAME_PRESS_SECONDS = 1.0  # signals of one kind this close together are one press (uv forwards what the group got)
 ALWAYS_RESUMABLE = {"resume", "overwrite", "output_dir", "eval_every", "eval_before_train", "save_every", "log_rollouts",
-                    "logger"}
+                    "logger", "keep_freed_memory"}
 
 
 class Run:

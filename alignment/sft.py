@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from alignment import data, distributed, lora, models
+from alignment import allocator, data, distributed, lora, models
 from alignment.args import SFTArgs, parse
 from alignment.errors import MissingFileError, UserError, cli
 from alignment.evaluate import check_context, evaluate
@@ -122,7 +122,8 @@ def run_eval(model, sampler, tokenizer, rows, args: SFTArgs, autocast) -> tuple[
 def main(args: SFTArgs) -> dict:
     # Under torchrun every rank trains on its share of each batch; rank 0 logs, evaluates and saves.
     args.check()
-    models.keep_freed_memory()  # each step reuses the last one's memory: no page faults
+    if args.keep_freed_memory:  # each step reuses the last one's memory: faster, more resident memory
+        allocator.keep_freed_memory()
     device = distributed.setup()
     world = distributed.world_size()
     if args.batch_size % (world * args.microbatch_size):

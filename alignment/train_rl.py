@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from alignment import data, distributed, lora, models, tir
+from alignment import allocator, data, distributed, lora, models, tir
 from alignment.args import RLArgs, parse
 from alignment.async_rollouts import RolloutSource
 from alignment.errors import UserError, cli
@@ -104,7 +104,8 @@ class Models:
 def main(args: RLArgs) -> dict:
     # Under torchrun every rank runs this whole loop on its own device, on its share of the questions.
     args.check()
-    models.keep_freed_memory()  # each step reuses the last one's memory: no page faults
+    if args.keep_freed_memory:  # each step reuses the last one's memory: faster, more resident memory
+        allocator.keep_freed_memory()
     device = distributed.setup()
     _refuse_under_torchrun(args, device)
     run = Run(args, f"checkpoints/rl/{args.loss_type}-{time.strftime('%Y%m%d-%H%M%S')}", start_model(args),

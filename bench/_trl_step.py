@@ -15,6 +15,9 @@ import torch
 def main(settings: dict):
     torch.set_num_threads(settings["threads"])
     sys.path.insert(0, settings["project_root"])
+    if settings.get("keep_freed_memory"):  # the same allocator setting as our side's --keep_freed_memory
+        from alignment import allocator
+        allocator.keep_freed_memory()
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer

@@ -27,7 +27,8 @@ the new weights into it after every step (counted in "train" with the optimizer 
 (created on first use under checkpoints/bench-trl-venv, git-ignored) with the project's torch and
 transformers versions, through bench/_trl_step.py. The first step of each run is a warm-up and is left
 out; the table reports the median of the rest over all rounds. Rounds alternate ours, TRL, ours, TRL, so
-that load from other jobs on the machine hits both sides alike.
+that load from other jobs on the machine hits both sides alike. With --keep_freed_memory both sides run with glibc keeping the memory
+each step frees (alignment/allocator.py; our side's flag of the same name): fewer page faults, more resident memory.
 """
 
 import argparse
@@ -91,7 +92,8 @@ def run_ours(args, question_dir: Path, round_index: int) -> list[dict]:
                      learning_rate=1e-5, n_steps=args.steps, eval_every=0, save_every=10**9, log_rollouts=0,
                      seed=args.seed + round_index, output_dir=str(run_dir), sample_device="cpu",
                      reference_model_device="cpu", eval_device="cpu", backend=args.backend, kv_cache_gib=2,
-                     sampling_min_tokens=0 if args.natural_length else args.max_tokens, precision=args.precision)
+                     sampling_min_tokens=0 if args.natural_length else args.max_tokens, precision=args.precision,
+                     keep_freed_memory=args.keep_freed_memory)
     rl_args.check()
     train_rl.main(rl_args)
     steps = []
@@ -111,7 +113,7 @@ def run_trl(args, python: Path, prompt: str, answer: str, round_index: int) -> l
                 "answer": answer, "steps": args.steps, "group_size": args.group_size, "microbatch": args.microbatch,
                 "max_tokens": args.max_tokens, "temperature": 1.0, "top_p": 1.0, "learning_rate": 1e-5,
                 "force_length": not args.natural_length, "threads": args.threads, "seed": args.seed + round_index,
-                "bf16": args.trl_bf16,
+                "bf16": args.trl_bf16, "keep_freed_memory": args.keep_freed_memory,
                 "output_dir": str(WORK / f"trl-{round_index}")}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": ""}
@@ -134,6 +136,8 @@ def main():
     parser.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="our side's sampler")
     parser.add_argument("--precision", default="fp32", choices=["auto", "fp32", "bf16"], help="our side's --precision")
     parser.add_argument("--trl_bf16", action="store_true", help="TRL's bf16 option (GRPOConfig bf16=True)")
+    parser.add_argument("--keep_freed_memory", action="store_true",
+                        help="both sides: glibc keeps freed memory for the next step (alignment/allocator.py)")
     parser.add_argument("--question", type=int, default=0, help="index of the GSM8K test question")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides")
     parser.add_argument("--seed", type=int, default=0)

@@ -14,9 +14,9 @@ tokens, the advantages random: the work, not the learning, is measured. Each var
                 the code before the levers
   fused_head    plain with the output head fused with the log-softmax and entropy (alignment/head.py)
   sdpa_attn     fused head and fused AdamW (models.adamw), transformers' SDPA attention
-  glibc_malloc  sdpa_attn with the project's attention (alignment/attention.py), glibc's allocator as it comes
-  default       glibc_malloc keeping freed memory for the next step (models.keep_freed_memory): what the
-                training scripts run today
+  default       sdpa_attn with the project's attention (alignment/attention.py): what the scripts run today
+  keep_memory   default with glibc keeping freed memory for the next step (alignment/allocator.py), what the
+                training scripts' --keep_freed_memory does
   eager_attn    default with transformers' eager attention instead (measured, not adopted:
                 docs/results.md "The train phase, lever by lever")
 
@@ -39,10 +39,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # bench/ is not a package: its scripts share code through the project root
 
-from alignment import data, grpo, models, tokens  # noqa: E402
+from alignment import allocator, data, grpo, models, tokens  # noqa: E402
 from alignment.evaluate import build_prompts  # noqa: E402
 from bench.rl_step import matmul_peak  # noqa: E402
-VARIANTS = ("plain", "fused_head", "sdpa_attn", "glibc_malloc", "default", "eager_attn")
+VARIANTS = ("plain", "fused_head", "sdpa_attn", "default", "keep_memory", "eager_attn")
 
 
 def cpu_flags() -> str:
@@ -57,8 +57,8 @@ def run_variant(args, variant: str) -> dict:
     """One variant in this process: the timed steps' seconds and this process's peak RSS."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    if variant not in ("plain", "fused_head", "sdpa_attn", "glibc_malloc"):
-        models.keep_freed_memory()
+    if variant == "keep_memory":
+        allocator.keep_freed_memory()
     if variant == "plain":
         tokens._fused_scale = lambda model: None  # the full-logits path
     model = models.load_model(args.model)

@@ -1,6 +1,3 @@
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -81,23 +78,3 @@ def test_adamw_is_fused_on_plain_tensors_and_takes_the_same_steps_as_the_default
     for (name, a), b in zip(fused_model.named_parameters(), loop_model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)  # lr 1e-2: within 0.1% of a step
 
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_keep_freed_memory_lets_a_freed_block_be_reused_without_page_faults():
-    # in a fresh process each: the setting is for the whole process and cannot be undone. A 64 MiB block
-    # allocated, touched and freed six times, like a training step's activations; the heap settles within
-    # the first few rounds, the last two are compared
-    probe = ("import resource, sys, torch; from alignment import models; "
-             "on = sys.argv[1] == 'on' and models.keep_freed_memory(); "
-             "faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt; counts = []\n"
-             "for _ in range(6): start = faults(); y = torch.ones(64 << 18); counts.append(faults() - start); del y\n"
-             "print(on, *counts[-2:])")
-    results = {}
-    for mode in ("off", "on"):
-        done = subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, cwd=models.REPO_ROOT)
-        assert done.returncode == 0, done.stderr
-        took, *faults = done.stdout.split()
-        results[mode] = (took == "True", [int(f) for f in faults])
-    assert results["on"][0] is True, results
-    assert min(results["off"][1]) > 10_000, results  # 16,384 pages of 4 KiB touched anew each time
-    assert max(results["on"][1]) < 100, results

@@ -33,7 +33,7 @@ def test_a_new_run_writes_its_config_and_metrics_as_strict_json(tmp_path):
     run = open_run(tmp_path / "run")
     assert json.loads((tmp_path / "run" / "config.json").read_text()) == {
         "output_dir": str(tmp_path / "run"), "resume": None, "overwrite": False, "logger": "none",
-        "eval_before_train": True, "lr": 0.1,
+        "eval_before_train": True, "keep_freed_memory": False, "lr": 0.1,
         "n_steps": 3, "start_model": "start-model", "script": "Flags"}
     run.log({"step": 1, "loss": 0.5, "rate": float("nan")})
     run.log_rollouts(1, [{"prompt": "p", "response": "r"}])
