@@ -45,8 +45,9 @@ GROUPS = {
                       "delethink_max_turns", "max_tool_calls", "tool_timeout", "mask_observations", "tir_reward_scheme",
                       "exec_penalty"),
     "devices and backends": ("device", "sample_device", "reference_model_device", "eval_device", "critic_device",
-                             "backend", "precision", "bf16_weights", "keep_freed_memory", "sample_batch_size", "eval_batch_size",
-                             "gpu_memory_utilization", "kv_cache_gib", "vllm_enforce_eager", "vllm_max_model_len"),
+                             "backend", "precision", "bf16_weights", "keep_freed_memory", "sample_batch_size",
+                             "eval_batch_size", "gpu_memory_utilization", "kv_cache_gib", "vllm_enforce_eager",
+                             "vllm_max_model_len"),
     "run folder, evaluation and logging": ("output_dir", "resume", "overwrite", "save_every", "eval_every",
                                            "eval_before_train", "eval_limit", "eval_max_tokens", "log_rollouts", "logger"),
 }

@@ -81,8 +81,7 @@ def fine_tune(model, tokenizer, examples: list[dict], args: EIArgs, step: int, d
 
 def main(args: EIArgs) -> dict:
     args.check()
-    if args.keep_freed_memory:  # each step reuses the last one's memory: faster, more resident memory
-        allocator.keep_freed_memory()
+    allocator.apply(args.keep_freed_memory)  # each step reusing the last one's memory: faster, more resident
     if distributed.launched():
         raise UserError("expert iteration runs in one process: start it with `uv run -m alignment.expert_iteration`, "
                         "not torchrun.")

@@ -122,8 +122,7 @@ def run_eval(model, sampler, tokenizer, rows, args: SFTArgs, autocast) -> tuple[
 def main(args: SFTArgs) -> dict:
     # Under torchrun every rank trains on its share of each batch; rank 0 logs, evaluates and saves.
     args.check()
-    if args.keep_freed_memory:  # each step reuses the last one's memory: faster, more resident memory
-        allocator.keep_freed_memory()
+    allocator.apply(args.keep_freed_memory)  # each step reusing the last one's memory: faster, more resident
     device = distributed.setup()
     world = distributed.world_size()
     if args.batch_size % (world * args.microbatch_size):

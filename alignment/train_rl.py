@@ -104,8 +104,7 @@ class Models:
 def main(args: RLArgs) -> dict:
     # Under torchrun every rank runs this whole loop on its own device, on its share of the questions.
     args.check()
-    if args.keep_freed_memory:  # each step reuses the last one's memory: faster, more resident memory
-        allocator.keep_freed_memory()
+    allocator.apply(args.keep_freed_memory)  # each step reusing the last one's memory: faster, more resident
     device = distributed.setup()
     _refuse_under_torchrun(args, device)
     run = Run(args, f"checkpoints/rl/{args.loss_type}-{time.strftime('%Y%m%d-%H%M%S')}", start_model(args),
