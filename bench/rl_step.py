@@ -27,8 +27,9 @@ the new weights into it after every step (counted in "train" with the optimizer 
 (created on first use under checkpoints/bench-trl-venv, git-ignored) with the project's torch and
 transformers versions, through bench/_trl_step.py. The first step of each run is a warm-up and is left
 out; the table reports the median of the rest over all rounds. Rounds alternate ours, TRL, ours, TRL, so
-that load from other jobs on the machine hits both sides alike. With --keep_freed_memory both sides run with glibc keeping the memory
-each step frees (alignment/allocator.py; our side's flag of the same name): fewer page faults, more resident memory.
+that load from other jobs on the machine hits both sides alike. With --keep_freed_memory both sides run
+with glibc keeping the memory each step frees (alignment/allocator.py; our side's flag of the same name): fewer
+page faults, more resident memory.
 """
 
 import argparse
