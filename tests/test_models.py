@@ -77,4 +77,3 @@ def test_adamw_is_fused_on_plain_tensors_and_takes_the_same_steps_as_the_default
             optimizer.zero_grad()
     for (name, a), b in zip(fused_model.named_parameters(), loop_model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)  # lr 1e-2: within 0.1% of a step
-
