@@ -27,11 +27,14 @@ def grads(fn, hidden, weight, labels, scale, weights_lp, weights_h):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("entropy_grad", [False, True])
 @pytest.mark.parametrize("sub", [32, 3])
-def test_fused_head_matches_float64_in_fp32(temperature, entropy_grad, sub, monkeypatch):
+@pytest.mark.parametrize("keep", [True, False])
+def test_fused_head_matches_float64_in_fp32(temperature, entropy_grad, sub, keep, monkeypatch):
     """Log-probs, entropy and both gradients against the plain path in float64 (the truth), in chunks that do
     not divide the positions, and sub-chunks that do not divide the chunks (sub 3: 8 = 3 + 3 + 2, the last
-    chunk of 5 = 3 + 2); fp32's own rounding is the tolerance (the plain fp32 path is as far off)."""
+    chunk of 5 = 3 + 2), with the logits kept for backward and recomputed there; fp32's own rounding is the
+    tolerance (the plain fp32 path is as far off)."""
     monkeypatch.setattr(head, "SUB_POSITIONS", sub)
+    monkeypatch.setattr(head, "SAVE_LOGITS_BYTES", head.SAVE_LOGITS_BYTES if keep else 0)
     torch.manual_seed(0)
     hidden, weight, labels = torch.randn(37, 16, dtype=torch.float64), torch.randn(50, 16, dtype=torch.float64), \
         torch.randint(0, 50, (37,))
@@ -48,10 +51,12 @@ def test_fused_head_matches_float64_in_fp32(temperature, entropy_grad, sub, monk
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("sub", [32, 5])
-def test_fused_head_under_bf16_autocast_matches_the_plain_path_under_it(temperature, sub, monkeypatch):
+@pytest.mark.parametrize("keep", [True, False])
+def test_fused_head_under_bf16_autocast_matches_the_plain_path_under_it(temperature, sub, keep, monkeypatch):
     """Under autocast the head's matmuls are bf16 in both paths, everything after them fp32 (in sub-chunks of
-    the bf16 logits: 16 = 5 + 5 + 5 + 1)."""
+    the bf16 logits: 16 = 5 + 5 + 5 + 1), the logits kept for backward or recomputed there."""
     monkeypatch.setattr(head, "SUB_POSITIONS", sub)
+    monkeypatch.setattr(head, "SAVE_LOGITS_BYTES", head.SAVE_LOGITS_BYTES if keep else 0)
     torch.manual_seed(1)
     hidden, weight, labels = torch.randn(40, 32), torch.randn(64, 32), torch.randint(0, 64, (40,))
     weights_lp, weights_h = torch.randn(40), torch.randn(40)
@@ -63,6 +68,29 @@ def test_fused_head_under_bf16_autocast_matches_the_plain_path_under_it(temperat
         assert a.dtype == b.dtype, name
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=name)
     assert results[1][0].dtype == torch.float32 and results[1][1].dtype == torch.float32
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_kept_logits_spare_the_recomputation_and_a_second_backward_recomputes(autocast, monkeypatch):
+    """Within SAVE_LOGITS_BYTES backward uses the forward's logits (no head matmul to recompute them); backward
+    overwrites them, so a second backward through a retained graph recomputes, to the same gradients."""
+    calls = []
+    chunk_logits = head._chunk_logits
+    monkeypatch.setattr(head, "_chunk_logits", lambda *a, **k: calls.append(1) or chunk_logits(*a, **k))
+    torch.manual_seed(2)
+    hidden, weight = torch.randn(20, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
+    labels, weights = torch.randint(0, 30, (20,)), torch.randn(20)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        log_probs, entropy = fused_log_probs(hidden, weight, labels, 1 / 0.7, with_entropy=True, chunk=8)
+        loss = (log_probs * weights).sum() + (entropy * weights.flip(0)).sum()
+    assert len(calls) == 1  # forward
+    first = torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+    assert len(calls) == 1  # backward used the kept logits
+    second = torch.autograd.grad(loss, (hidden, weight))
+    assert len(calls) == 2  # the second backward recomputed them
+    tolerance = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-6)  # bf16: products' rounding
+    for a, b in zip(first, second):  # (kept: one product over all positions; recomputed: chunk by chunk)
+        torch.testing.assert_close(a, b, **tolerance)
 
 
 def test_entropy_is_free_when_not_asked_for():
