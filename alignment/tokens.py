@@ -9,6 +9,10 @@ for Qwen). The helpers here never build a second tensor of that size: log-probs 
 logsumexp, and entropy is computed over chunks of positions.
 """
 
+import copy
+import functools
+from collections import Counter
+
 import torch
 
 from alignment.errors import UserError
@@ -96,7 +100,8 @@ def head_log_probs(model, hidden: torch.Tensor, labels: torch.Tensor, temperatur
 
 def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]],
                       return_token_entropy: bool = False, temperature: float = 1.0,
-                      entropy_grad: bool = False, one_forward: bool = False) -> dict[str, torch.Tensor]:
+                      entropy_grad: bool = False, one_forward: bool = False,
+                      shared: "SharedPrompts | None" = None) -> dict[str, torch.Tensor]:
     """log pi(response_t | prompt, response_<t) for rows given as token ids, (B, T) right-padded to the
     longest response (padding reads 0), differentiable; optionally `token_entropy` (B, T), no gradient.
     pi is softmax(logits / temperature): pass the sampling temperature, so that the current, old and
@@ -108,6 +113,9 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     share a prompt (the group_size responses to one question) run that prompt through the model once,
     with gradient, and attend to copies of its KV cache; and the vocab projection is applied only at
     response positions, never over the prompt.
+
+    `shared`: the prompts that several microbatches of one optimizer step share run once for all of them
+    (see `SharedPrompts`).
 
     `one_forward`: instead, exactly one call of the whole model over the right-padded prompt + response
     rows. FSDP needs it: every rank must make the same number of calls of the sharded root (the number
@@ -128,10 +136,13 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
         ids = torch.zeros(len(group), width, dtype=torch.long, device=device)  # (G, T), padded with 0
         for i, response in enumerate(group):
             ids[i, :len(response)] = torch.tensor(response, dtype=torch.long)
-        out = decoder(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-        hidden = out.last_hidden_state[:, -1:].expand(len(group), 1, -1)  # (G, 1, d): predicts token 0
+        if shared is not None and prompt in shared.prompts:
+            cache, last = shared.forward(decoder, prompt, device)
+        else:
+            out = decoder(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+            cache, last = out.past_key_values, out.last_hidden_state[:, -1:]
+        hidden = last.expand(len(group), 1, -1)  # (G, 1, d): predicts token 0
         if width > 1:
-            cache = out.past_key_values
             cache.batch_repeat_interleave(len(group))  # differentiable copies of the prompt's keys/values
             positions = torch.arange(len(prompt), len(prompt) + width - 1, device=device).expand(len(group), -1)
             rest = decoder(input_ids=ids[:, :-1], position_ids=positions, past_key_values=cache, use_cache=True)
@@ -149,6 +160,59 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     if return_token_entropy:
         result["token_entropy"] = pad(row_entropy, batch_first=True)
     return result
+
+
+class SharedPrompts:
+    """The forwards of the prompts that rows in more than one microbatch of an optimizer step share (a group
+    larger than the microbatch), run once per step instead of once per microbatch.
+
+    The first microbatch with a prompt runs it; every microbatch gets a cache whose keys and values (and the
+    prompt's last hidden state) are detached leaves of that forward's outputs, so each microbatch's backward
+    leaves its part of their gradient on them, summed over the microbatches. `backward()`, after the last
+    microbatch, sends those sums through the prompts' forwards once: by linearity the same gradient as a
+    backward per microbatch, up to the order of the sums. The prompts' graphs live until then (prompts seen by
+    one microbatch only run there, as without sharing). Without gradient the outputs are simply reused."""
+
+    def __init__(self, prompts_per_microbatch: list[list[list[int]]]):
+        counts = Counter(prompt for prompts in prompts_per_microbatch for prompt in {tuple(p) for p in prompts})
+        self.prompts = {prompt for prompt, count in counts.items() if count > 1}
+        self._runs: dict[tuple, tuple] = {}  # prompt -> (its cache, with leaves; its last hidden state, a leaf)
+        self._graphs: list[tuple[list, list]] = []  # (forward's outputs, their leaves)
+
+    def forward(self, decoder, prompt: tuple, device) -> tuple:
+        """(a cache of its own, the last hidden state) of `prompt`, run on its first use."""
+        if prompt not in self._runs:
+            out = decoder(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+            cache = out.past_key_values
+            outputs = [out.last_hidden_state[:, -1:]] + [t for layer in cache.layers for t in (layer.keys, layer.values)]
+            leaves = outputs
+            if torch.is_grad_enabled():
+                leaves = [t.detach().requires_grad_() for t in outputs]
+                sums = [torch.zeros_like(t, dtype=torch.float32) for t in outputs]  # bf16 outputs: summed in fp32
+                for leaf, total in zip(leaves, sums):
+                    leaf.register_post_accumulate_grad_hook(functools.partial(_add_grad_to, total))
+                self._graphs.append((outputs, sums))
+            for i, layer in enumerate(cache.layers):
+                layer.keys, layer.values = leaves[1 + 2 * i], leaves[2 + 2 * i]
+            self._runs[prompt] = cache, leaves[0]
+        cache, last = self._runs[prompt]
+        own = copy.copy(cache)  # batch_repeat_interleave replaces a layer's keys and values: the shared ones stay
+        own.layers = [copy.copy(layer) for layer in cache.layers]
+        return own, last
+
+    def backward(self):
+        """The gradient the microbatches left on the shared outputs, through the prompts' forwards (call it
+        after the last microbatch's backward, before the optimizer reads the gradient)."""
+        pairs = [(out, total.to(out.dtype)) for outputs, sums in self._graphs for out, total in zip(outputs, sums)]
+        self._runs.clear()
+        self._graphs.clear()
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+
+
+def _add_grad_to(total: torch.Tensor, leaf: torch.Tensor):
+    total += leaf.grad  # in fp32
+    leaf.grad = None
 
 
 def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from alignment.experience import Experience, SamplingStopped, build_experience, 
 from alignment.grpo import policy_microbatch_train_step, weighted_sum
 from alignment.run import Run
 from alignment.sampling import HFSampler, SamplingParams, WeightPush, derive_seed, make_sampler, pick_backend
-from alignment.tokens import check_output_head, rollout_log_probs, rollout_values
+from alignment.tokens import SharedPrompts, check_output_head, rollout_log_probs, rollout_values
 
 RESUMABLE_CHANGES = {"n_steps"}  # flags a resumed run may change, besides the run folder's own (run.py)
 MAX_BAD_STEPS = 3  # consecutive non-finite losses or gradients before the run aborts
@@ -369,7 +369,10 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
                         kl_estimator=args.kl_estimator, entropy_coef=args.entropy_coef)
     device, sharded = next(m.policy.parameters()).device, distributed.launched()
     losses = []
-    for part in distributed.microbatches(rows, args.train_mini_batch_size, sharded):
+    parts = distributed.microbatches(rows, args.train_mini_batch_size, sharded)
+    # a prompt whose group spans microbatches runs once (FSDP: one whole-model call per microbatch instead)
+    shared = None if sharded else SharedPrompts([[exp.rows[i].prompt_ids for i in part] for part in parts])
+    for part in parts:
         if not part:  # this rank is out of rows: a dummy forward and backward that changes nothing
             (rollout_log_probs(m.policy, [[0]], [[0]], one_forward=True)["log_probs"].sum() * 0).backward()
             continue
@@ -384,7 +387,8 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
             train.add("value_clip_fraction", value_meta["clipped"].float().sum().item() / max(tokens, 1), tokens)
         with torch.set_grad_enabled(learn):  # during the critic warm-up the policy's forward only logs
             out = rollout_log_probs(m.policy, mb.prompts, mb.responses, return_token_entropy=True, one_forward=sharded,
-                                    temperature=args.sampling_temperature, entropy_grad=bool(args.entropy_coef))
+                                    temperature=args.sampling_temperature, entropy_grad=bool(args.entropy_coef),
+                                    shared=shared)
         log_probs = out["log_probs"]  # (B, T)
         # on-policy the old policy is the current one: the ratio is 1, only its gradient matters
         old = log_probs.detach() if mb.old_log_probs is None else mb.old_log_probs
@@ -404,6 +408,8 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
             if seen.any():
                 train.add("sampler_logprob_diff", (mb.sampler_log_probs - old)[seen].abs().mean().item(),
                           seen.sum().item())
+    if shared is not None:
+        shared.backward()  # the shared prompts' part of the gradient
     ok = True
     if m.critic is not None:
         ok = _clip_and_step(m.critic, m.critic_optimizer, args.max_grad_norm, train, "critic_grad_norm")

@@ -14,7 +14,11 @@ tokens, the advantages random: the work, not the learning, is measured. Each var
                 the code before the levers
   fused_head    plain with the output head fused with the log-softmax and entropy (alignment/head.py)
   sdpa_attn     fused head and fused AdamW (models.adamw), transformers' SDPA attention
-  default       sdpa_attn with the project's attention (alignment/attention.py): what the scripts run today
+  default       sdpa_attn with the project's attention (alignment/attention.py), the head's logits kept for its
+                backward (head.SAVE_LOGITS_BYTES) and the prompt run once for both microbatches
+                (tokens.SharedPrompts): what the scripts run today
+  recompute_head    default with the head's logits recomputed in backward (the code before eca2bcd)
+  prompt_per_microbatch  default with each microbatch running the prompt itself (the code before SharedPrompts)
   keep_memory   default with glibc keeping freed memory for the next step (alignment/allocator.py), what the
                 training scripts' --keep_freed_memory does
   eager_attn    default with transformers' eager attention instead (measured, not adopted:
@@ -39,10 +43,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # bench/ is not a package: its scripts share code through the project root
 
-from alignment import allocator, data, grpo, models, tokens  # noqa: E402
+from alignment import allocator, data, grpo, head, models, tokens  # noqa: E402
 from alignment.evaluate import build_prompts  # noqa: E402
 from bench.rl_step import matmul_peak  # noqa: E402
-VARIANTS = ("plain", "fused_head", "sdpa_attn", "default", "keep_memory", "eager_attn")
+VARIANTS = ("plain", "fused_head", "sdpa_attn", "default", "recompute_head", "prompt_per_microbatch", "keep_memory",
+            "eager_attn")
 
 
 def cpu_flags() -> str:
@@ -61,6 +66,8 @@ def run_variant(args, variant: str) -> dict:
         allocator.keep_freed_memory()
     if variant == "plain":
         tokens._fused_scale = lambda model: None  # the full-logits path
+    if variant in ("plain", "fused_head", "sdpa_attn", "recompute_head"):
+        head.SAVE_LOGITS_BYTES = 0  # (plain: unused)
     model = models.load_model(args.model)
     if variant in ("plain", "fused_head", "sdpa_attn", "eager_attn"):
         model.set_attn_implementation("eager" if variant == "eager_attn" else "sdpa")
@@ -80,15 +87,19 @@ def run_variant(args, variant: str) -> dict:
         if step == 1 and profiler:
             profiler.start()
         start = time.perf_counter()
+        shared = (None if variant in ("plain", "fused_head", "sdpa_attn", "prompt_per_microbatch") else
+                  tokens.SharedPrompts([[prompt]] * (args.rows // args.microbatch)))
         for rows in range(0, args.rows, args.microbatch):
             part = slice(rows, rows + args.microbatch)
             with autocast:
                 out = tokens.rollout_log_probs(model, [prompt] * args.microbatch, responses[part],
-                                               return_token_entropy=True)
+                                               return_token_entropy=True, shared=shared)
                 mask = torch.ones_like(out["log_probs"])
                 grpo.policy_microbatch_train_step(out["log_probs"], mask, torch.full((args.microbatch,), 1 / args.rows),
                                                   advantages[part], out["log_probs"].detach(), loss_type="grpo_clip",
                                                   cliprange=0.2, token_entropy=out["token_entropy"])
+        if shared is not None:
+            shared.backward()
         adamw.step()
         adamw.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)

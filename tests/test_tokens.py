@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from alignment.tokens import compute_entropy, get_response_log_probs, rollout_log_probs, tokenize_prompt_and_output
+from alignment.tokens import (SharedPrompts, compute_entropy, get_response_log_probs, rollout_log_probs,
+                              tokenize_prompt_and_output)
 
 
 def test_tokenize_prompt_and_output_exact_ids(tokenizer):
@@ -104,6 +105,65 @@ def test_one_forward_mode_gives_the_same_log_probs_and_entropy(tiny_model):
     one = rollout_log_probs(tiny_model, prompts, responses, return_token_entropy=True, temperature=0.7, one_forward=True)
     torch.testing.assert_close(one["log_probs"], shared["log_probs"], atol=1e-5, rtol=0)
     torch.testing.assert_close(one["token_entropy"], shared["token_entropy"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_prompts_shared_across_microbatches_give_the_same_log_probs_and_gradient(tokenizer, autocast):
+    """Three microbatches of one optimizer step: prompt A spans all three, B two, C one. With `SharedPrompts`
+    A and B run once and their gradient goes through them once at the end: the same log-probs, entropies and
+    parameter gradient as a forward and backward of every prompt in every microbatch (in fp32 to its rounding;
+    under bf16 autocast no further from the fp32 gradient than the unshared bf16 one)."""
+    from conftest import build_tiny_model
+    a, b, c = [5, 6, 7, 8], [9, 10, 11], [12, 13]
+    parts = [([a, a, b], [[14, 15, 16], [17], [18, 19]]), ([a, b, c], [[20, 21], [22, 23, 24, 25], [26]]),
+             ([a], [[27, 28, 29]])]
+    weights = torch.randn(3, 3, 4, generator=torch.Generator().manual_seed(0))
+
+    def run(use_shared: bool, bf16: bool):
+        model = build_tiny_model(tokenizer, seed=4)
+        shared = SharedPrompts([prompts for prompts, _ in parts]) if use_shared else None
+        outs, calls = [], []
+        hook = model.get_decoder().register_forward_hook(lambda module, args, kwargs, out: calls.append(1),
+                                                         with_kwargs=True)
+        for (prompts, responses), w in zip(parts, weights):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = rollout_log_probs(model, prompts, responses, return_token_entropy=True, temperature=0.7,
+                                        shared=shared)
+            (out["log_probs"] * w[:len(prompts), :out["log_probs"].shape[1]]).sum().backward()
+            outs.append(out)
+        if shared:
+            assert shared.prompts == {tuple(a), tuple(b)}
+            shared.backward()
+        hook.remove()
+        # the decoder's calls: each distinct prompt of a microbatch, then its answers' call where an answer has more
+        # than one token (c's has one); shared, A and B run once: 3 + 5 instead of 6 + 5
+        assert len(calls) == (8 if use_shared else 11)
+        return outs, {name: p.grad for name, p in model.named_parameters()}
+
+    (plain_outs, plain_grads), (shared_outs, shared_grads) = run(False, autocast), run(True, autocast)
+    for x, y in zip(plain_outs, shared_outs):
+        torch.testing.assert_close(y["log_probs"], x["log_probs"], atol=1e-6, rtol=0)  # the same forward
+        torch.testing.assert_close(y["token_entropy"], x["token_entropy"], atol=1e-6, rtol=0)
+    truth = run(False, False)[1] if autocast else None
+    for name, grad in plain_grads.items():
+        if autocast:  # the order of bf16 roundings differs: compare each one's distance from the fp32 gradient
+            plain_error = (grad - truth[name]).abs().max().item()
+            shared_error = (shared_grads[name] - truth[name]).abs().max().item()
+            assert shared_error <= 2 * plain_error + 1e-6, (name, shared_error, plain_error)
+        else:
+            torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_shared_prompts_without_gradient_are_reused_and_keep_no_graph(tiny_model):
+    shared = SharedPrompts([[[1, 2, 3]], [[1, 2, 3], [4, 5]]])
+    with torch.no_grad():
+        first = rollout_log_probs(tiny_model, [[1, 2, 3]], [[6, 7]], shared=shared)
+        second = rollout_log_probs(tiny_model, [[1, 2, 3], [4, 5]], [[6, 7], [8]], shared=shared)
+    plain = rollout_log_probs(tiny_model, [[1, 2, 3], [4, 5]], [[6, 7], [8]])
+    torch.testing.assert_close(second["log_probs"], plain["log_probs"].detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(first["log_probs"][0], plain["log_probs"][0].detach(), atol=1e-6, rtol=0)
+    assert not shared._graphs
+    shared.backward()  # nothing to send
 
 
 @pytest.mark.parametrize("family", ["gemma2", "cohere", "granite", "llama"])

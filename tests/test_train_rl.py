@@ -617,3 +617,32 @@ def test_a_stop_during_the_refill_gives_the_step_up_and_the_resumed_run_takes_th
         assert torch.equal(p, q), f"the resumed run ended elsewhere at {name}"
     assert "--max_sampling_rounds 33 is not from 1 to 32" in str(pytest.raises(ValueError, tiny_args, tiny_model_dir,
                                                                               tmp_path / "x", max_sampling_rounds=33).value)
+
+
+def test_a_group_spanning_microbatches_runs_its_prompt_once_and_takes_the_same_steps(tiny_model_dir, tmp_path,
+                                                                                       parity, monkeypatch):
+    """Microbatches of 2 rows, groups of 4: each prompt is in two microbatches and runs once per optimizer step
+    (tokens.SharedPrompts); the losses, gradient norms and the policy after two steps are those of running it in
+    each microbatch."""
+    real, made = train_rl.SharedPrompts, []
+
+    def sharing(share):
+        def make(prompts_per_microbatch):
+            made.append(real(prompts_per_microbatch if share else []))
+            return made[-1]
+        return make
+    results = []
+    for share in (False, True):
+        monkeypatch.setattr(train_rl, "SharedPrompts", sharing(share))
+        out = tmp_path / f"run-{share}"
+        train_rl.main(tiny_args(tiny_model_dir, out, train_mini_batch_size=2))
+        steps = [m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m]
+        results.append((steps, models.load_model(str(out / "checkpoint"))))
+    assert len(made[-1].prompts) == 2  # the last step's two groups, each in two microbatches
+    (plain_steps, plain_model), (shared_steps, shared_model) = results
+    assert len(plain_steps) == len(shared_steps) == 2
+    for a, b in zip(plain_steps, shared_steps):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    for (name, p), q in zip(plain_model.named_parameters(), shared_model.parameters()):
+        torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-5, msg=name)
