@@ -139,7 +139,7 @@ def main():
     peak = matmul_peak(torch.bfloat16 if precision == "bf16" else torch.float32)
     print(f"[bench] CPU flags: {cpu_flags()}; {args.threads} threads; precision {precision} ({args.precision}); "
           f"matmul peak {peak / 1e9:.0f} GFLOP/s in {precision}; torch {torch.__version__}", flush=True)
-    print(f"{'variant':12} {'s/step':>7} {'floor s':>8} {'reached':>8} {'peak RSS GiB':>13}", flush=True)
+    print(f"{'variant':22} {'s/step':>7} {'floor s':>8} {'reached':>8} {'peak RSS GiB':>13}", flush=True)
     for variant in variants:
         flags = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("variants", "_one")]
         done = subprocess.run([sys.executable, __file__, *flags, f"--_one={variant}"], capture_output=True, text=True)
@@ -150,7 +150,7 @@ def main():
         result = json.loads(done.stdout.strip().splitlines()[-1])
         seconds = statistics.median(result["seconds"])
         floor = 6 * result["n_params"] * (result["prompt_tokens"] + args.rows * args.max_tokens) / peak
-        print(f"{variant:12} {seconds:7.2f} {floor:8.2f} {floor / seconds:8.1%} {result['peak_rss_gib']:13.2f}"
+        print(f"{variant:22} {seconds:7.2f} {floor:8.2f} {floor / seconds:8.1%} {result['peak_rss_gib']:13.2f}"
               f"   (steps: {', '.join(f'{s:.2f}' for s in result['seconds'])})", flush=True)
 
 
