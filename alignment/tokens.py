@@ -168,16 +168,18 @@ class SharedPrompts:
 
     The first microbatch with a prompt runs it; every microbatch gets a cache whose keys and values (and the
     prompt's last hidden state) are detached leaves of that forward's outputs, so each microbatch's backward
-    leaves its part of their gradient on them, summed over the microbatches. `backward()`, after the last
-    microbatch, sends those sums through the prompts' forwards once: by linearity the same gradient as a
-    backward per microbatch, up to the order of the sums. The prompts' graphs live until then (prompts seen by
-    one microbatch only run there, as without sharing). Without gradient the outputs are simply reused."""
+    leaves its part of their gradient on them, summed over the microbatches (in fp32). `done(prompts)` after
+    each microbatch's backward sends a prompt's sum through its forward once its last microbatch is done: by
+    linearity the same gradient as a backward per microbatch, up to the order of the sums. A prompt's graph
+    lives from its first microbatch to its last (rows come group by group, so about one at a time); prompts
+    seen by one microbatch only run there, as without sharing. Without gradient the outputs are reused."""
 
     def __init__(self, prompts_per_microbatch: list[list[list[int]]]):
         counts = Counter(prompt for prompts in prompts_per_microbatch for prompt in {tuple(p) for p in prompts})
         self.prompts = {prompt for prompt, count in counts.items() if count > 1}
+        self._uses_left = {prompt: counts[prompt] for prompt in self.prompts}
         self._runs: dict[tuple, tuple] = {}  # prompt -> (its cache, with leaves; its last hidden state, a leaf)
-        self._graphs: list[tuple[list, list]] = []  # (forward's outputs, their leaves)
+        self._graphs: dict[tuple, tuple[list, list]] = {}  # prompt -> (its forward's outputs, their fp32 sums)
 
     def forward(self, decoder, prompt: tuple, device) -> tuple:
         """(a cache of its own, the last hidden state) of `prompt`, run on its first use."""
@@ -188,10 +190,10 @@ class SharedPrompts:
             leaves = outputs
             if torch.is_grad_enabled():
                 leaves = [t.detach().requires_grad_() for t in outputs]
-                sums = [torch.zeros_like(t, dtype=torch.float32) for t in outputs]  # bf16 outputs: summed in fp32
+                sums = [torch.zeros_like(t, dtype=torch.float32) for t in outputs]
                 for leaf, total in zip(leaves, sums):
                     leaf.register_post_accumulate_grad_hook(functools.partial(_add_grad_to, total))
-                self._graphs.append((outputs, sums))
+                self._graphs[prompt] = outputs, sums
             for i, layer in enumerate(cache.layers):
                 layer.keys, layer.values = leaves[1 + 2 * i], leaves[2 + 2 * i]
             self._runs[prompt] = cache, leaves[0]
@@ -200,14 +202,25 @@ class SharedPrompts:
         own.layers = [copy.copy(layer) for layer in cache.layers]
         return own, last
 
+    def done(self, prompts: list[list[int]]):
+        """A microbatch with these prompts is done (its backward run): a shared prompt whose last microbatch
+        this was sends its summed gradient through its forward, and its graph is freed."""
+        for prompt in {tuple(p) for p in prompts} & self.prompts:
+            self._uses_left[prompt] -= 1
+            if self._uses_left[prompt] == 0:
+                self._send(prompt)
+
     def backward(self):
-        """The gradient the microbatches left on the shared outputs, through the prompts' forwards (call it
-        after the last microbatch's backward, before the optimizer reads the gradient)."""
-        pairs = [(out, total.to(out.dtype)) for outputs, sums in self._graphs for out, total in zip(outputs, sums)]
-        self._runs.clear()
-        self._graphs.clear()
-        if pairs:
-            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+        """What `done` has not sent yet, sent (a microbatch left out): call before the optimizer reads the
+        gradient."""
+        for prompt in list(self._runs):
+            self._send(prompt)
+
+    def _send(self, prompt: tuple):
+        self._runs.pop(prompt, None)
+        outputs, sums = self._graphs.pop(prompt, ((), ()))
+        if outputs:
+            torch.autograd.backward(list(outputs), [total.to(out.dtype) for out, total in zip(outputs, sums)])
 
 
 def _add_grad_to(total: torch.Tensor, leaf: torch.Tensor):

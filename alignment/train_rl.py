@@ -401,6 +401,8 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
             for key in ("clip_fraction", "kl"):
                 if key in meta:
                     train.add(key, meta[key], tokens)
+        if shared is not None:
+            shared.done(mb.prompts)  # a prompt's last microbatch: its part of the gradient, sent through it
         train.add("entropy", (out["token_entropy"].detach() * mb.mask).sum().item() / max(tokens, 1), tokens)
         if epoch == 0 and args.sampling_top_p == 1:  # the old policy is the learner's view of the sampler;
             # with top_p < 1 the sampler's log-probs are of the renormalised nucleus: not comparable
@@ -409,7 +411,7 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
                 train.add("sampler_logprob_diff", (mb.sampler_log_probs - old)[seen].abs().mean().item(),
                           seen.sum().item())
     if shared is not None:
-        shared.backward()  # the shared prompts' part of the gradient
+        shared.backward()  # (nothing left once every microbatch has run)
     ok = True
     if m.critic is not None:
         ok = _clip_and_step(m.critic, m.critic_optimizer, args.max_grad_norm, train, "critic_grad_norm")

@@ -98,6 +98,8 @@ def run_variant(args, variant: str) -> dict:
                 grpo.policy_microbatch_train_step(out["log_probs"], mask, torch.full((args.microbatch,), 1 / args.rows),
                                                   advantages[part], out["log_probs"].detach(), loss_type="grpo_clip",
                                                   cliprange=0.2, token_entropy=out["token_entropy"])
+            if shared is not None:
+                shared.done([prompt])
         if shared is not None:
             shared.backward()
         adamw.step()

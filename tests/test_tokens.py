@@ -110,7 +110,7 @@ def test_one_forward_mode_gives_the_same_log_probs_and_entropy(tiny_model):
 @pytest.mark.parametrize("autocast", [False, True])
 def test_prompts_shared_across_microbatches_give_the_same_log_probs_and_gradient(tokenizer, autocast):
     """Three microbatches of one optimizer step: prompt A spans all three, B two, C one. With `SharedPrompts`
-    A and B run once and their gradient goes through them once at the end: the same log-probs, entropies and
+    A and B run once and their gradient goes through each once, after its last microbatch: the same log-probs, entropies and
     parameter gradient as a forward and backward of every prompt in every microbatch (in fp32 to its rounding;
     under bf16 autocast no further from the fp32 gradient than the unshared bf16 one)."""
     from conftest import build_tiny_model
@@ -122,7 +122,7 @@ def test_prompts_shared_across_microbatches_give_the_same_log_probs_and_gradient
     def run(use_shared: bool, bf16: bool):
         model = build_tiny_model(tokenizer, seed=4)
         shared = SharedPrompts([prompts for prompts, _ in parts]) if use_shared else None
-        outs, calls = [], []
+        outs, calls, held = [], [], []
         hook = model.get_decoder().register_forward_hook(lambda module, args, kwargs, out: calls.append(1),
                                                          with_kwargs=True)
         for (prompts, responses), w in zip(parts, weights):
@@ -131,9 +131,14 @@ def test_prompts_shared_across_microbatches_give_the_same_log_probs_and_gradient
                                         shared=shared)
             (out["log_probs"] * w[:len(prompts), :out["log_probs"].shape[1]]).sum().backward()
             outs.append(out)
+            if shared:
+                shared.done(prompts)
+                held.append(set(shared._runs))
         if shared:
             assert shared.prompts == {tuple(a), tuple(b)}
-            shared.backward()
+            # B's gradient went through it after its last microbatch (the second), A's after the third
+            assert held == [{tuple(a), tuple(b)}, {tuple(a)}, set()]
+            shared.backward()  # nothing left
         hook.remove()
         # the decoder's calls: each distinct prompt of a microbatch, then its answers' call where an answer has more
         # than one token (c's has one); shared, A and B run once: 3 + 5 instead of 6 + 5
