@@ -71,7 +71,9 @@ class FusedHeadLogProbs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             if kept:  # the forward's logits (fp32: already log p), all positions at once
                 grad_z, w = kept
-                _grad_logits_(grad_z, 0, *grads, log_p_done=grad_z.dtype == torch.float32)
+                for start in range(0, len(grad_z), ctx.chunk):  # chunk by chunk: on a GPU each is one fp32 pass
+                    _grad_logits_(grad_z[start:start + ctx.chunk], start, *grads,
+                                  log_p_done=grad_z.dtype == torch.float32)
                 grad_hidden = (grad_z @ w).to(hidden.dtype) if want_hidden else None
                 grad_weight = grad_z.T @ hidden.to(w.dtype) if want_weight else None
                 return grad_hidden, _as(grad_weight, weight), None, None, None, None, None
