@@ -135,7 +135,7 @@ def _sub_chunks(logits: torch.Tensor, start: int, scale: float, done: bool = Fal
     for s in range(0, len(logits), sub):
         part = logits[s:s + sub]
         z = part.float()
-        scaled = scale == 1.0 or (done and z.data_ptr() == part.data_ptr())
+        scaled = scale == 1.0 or done  # (done: fp32 logits, so z is the part itself)
         yield slice(start + s, start + s + len(z)), (z if scaled else z.mul_(scale)), part
 
 

@@ -210,12 +210,6 @@ class SharedPrompts:
             if self._uses_left[prompt] == 0:
                 self._send(prompt)
 
-    def backward(self):
-        """What `done` has not sent yet, sent (a microbatch left out): call before the optimizer reads the
-        gradient."""
-        for prompt in list(self._runs):
-            self._send(prompt)
-
     def _send(self, prompt: tuple):
         self._runs.pop(prompt, None)
         outputs, sums = self._graphs.pop(prompt, ((), ()))

@@ -410,8 +410,6 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
             if seen.any():
                 train.add("sampler_logprob_diff", (mb.sampler_log_probs - old)[seen].abs().mean().item(),
                           seen.sum().item())
-    if shared is not None:
-        shared.backward()  # (nothing left once every microbatch has run)
     ok = True
     if m.critic is not None:
         ok = _clip_and_step(m.critic, m.critic_optimizer, args.max_grad_norm, train, "critic_grad_norm")

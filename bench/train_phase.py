@@ -100,8 +100,6 @@ def run_variant(args, variant: str) -> dict:
                                                   cliprange=0.2, token_entropy=out["token_entropy"])
             if shared is not None:
                 shared.done([prompt])
-        if shared is not None:
-            shared.backward()
         adamw.step()
         adamw.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
