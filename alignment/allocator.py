@@ -17,8 +17,9 @@ def keep_freed_memory(limit: int = 1 << 30) -> bool:
     vLLM-CPU engine runs in the same process (measured: a train step 9.0 -> 11.3 s after the engine's start).
     With both thresholds at `limit` the blocks stay in the heap and are reused: the same numbers, fewer
     faults. The price: freed blocks that no later request fits stay resident, so with steps of varying
-    lengths the heap grows (the default RL run: peak RSS 5.5 -> 8.3 GiB for 7% faster steps; docs/results.md
-    "The train phase, lever by lever"). True where it took effect (glibc), False elsewhere."""
+    lengths the heap grows (the default RL run: peak RSS 5.2 -> 6.3 GiB for 10% faster steps; docs/results.md
+    "The train phase, lever by lever"). Trimming the heap after a step does not lower that peak, which is reached
+    inside a step (measured there too). True where it took effect (glibc), False elsewhere."""
     if not sys.platform.startswith("linux"):
         return False
     try:

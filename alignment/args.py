@@ -243,7 +243,7 @@ class RunArgs:
     overwrite: bool = arg(False, "delete what --output_dir holds and start over (without it a used run folder is refused)")
     logger: str = arg("none", "extra metrics sink (metrics.jsonl is always written)", ("none", "tensorboard", "wandb"))
     eval_before_train: bool = arg(True, "evaluate the start model before step 1 (--no_eval_before_train where another run from the same start model measured it: a sweep)")
-    keep_freed_memory: bool = arg(False, "let glibc keep the memory each step frees for the next (no page faults): the default RL run's steps 7-11% faster on CPU, its peak RSS 2.3-2.9 GiB higher (docs/results.md)")
+    keep_freed_memory: bool = arg(False, "let glibc keep the memory each step frees for the next (no page faults): the default RL run's steps about 10% faster on CPU, its peak RSS about 1.1 GiB higher (docs/results.md)")
 
     def check_run(self):
         if self.resume and self.overwrite:
