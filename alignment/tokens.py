@@ -15,10 +15,16 @@ from collections import Counter
 
 import torch
 
+from alignment import attention
 from alignment.errors import UserError
 from alignment.head import fused_log_probs
 
 ENTROPY_CHUNK_POSITIONS = 1024  # positions per entropy chunk: 1024 x 152k vocab x 4 bytes = 0.6 GB
+# a group whose prompt and responses fit in this many tokens runs as one packed row (see _packed_log_probs):
+# one forward for all such groups of a microbatch instead of two per group; above it, the attention over the
+# packed row (computed in full, mask and all) costs more than the forward it saves (docs/results.md,
+# "Packed groups")
+PACK_TOKENS = 512
 
 
 def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str],
@@ -112,7 +118,8 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     Same numbers as `get_response_log_probs` on the concatenated rows, computed with less work: rows that
     share a prompt (the group_size responses to one question) run that prompt through the model once,
     with gradient, and attend to copies of its KV cache; and the vocab projection is applied only at
-    response positions, never over the prompt.
+    response positions, never over the prompt. Small groups (a prompt and its responses within PACK_TOKENS)
+    go further: each is one packed row, and all of them one forward (`_packed_log_probs`).
 
     `shared`: the prompts that several microbatches of one optimizer step share run once for all of them
     (see `SharedPrompts`).
@@ -130,6 +137,12 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     for row, prompt in enumerate(prompts):
         by_prompt.setdefault(tuple(prompt), []).append(row)
     row_log_probs, row_entropy = [None] * len(prompts), [None] * len(prompts)
+    packed = {prompt: rows for prompt, rows in by_prompt.items()
+              if (shared is None or prompt not in shared.prompts) and _packed_length(prompt, rows, responses) <= PACK_TOKENS}
+    if packed and packs(model):
+        _packed_log_probs(model, packed, responses, temperature, return_token_entropy, entropy_grad, row_log_probs,
+                          row_entropy)
+        by_prompt = {prompt: rows for prompt, rows in by_prompt.items() if prompt not in packed}
     for prompt, rows in by_prompt.items():
         group = [responses[r] for r in rows]
         width = max(len(r) for r in group)
@@ -160,6 +173,68 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     if return_token_entropy:
         result["token_entropy"] = pad(row_entropy, batch_first=True)
     return result
+
+
+def _packed_length(prompt: tuple, rows: list[int], responses: list[list[int]]) -> int:
+    """The tokens of a group's packed row: its prompt, then each response but its last token."""
+    return len(prompt) + sum(max(len(responses[r]) - 1, 0) for r in rows)
+
+
+def packs(model) -> bool:
+    """Whether `model` can run packed groups: its attention takes a custom boolean (B, 1, L, L) mask as is
+    (transformers' SDPA attention or this project's) and every layer attends to every earlier position
+    (no sliding windows), so the mask alone says what each token sees and the positions what it is."""
+    config = getattr(model.config, "text_config", None) or model.config
+    if config._attn_implementation not in ("sdpa", attention.NAME):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types)
+    return getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False
+
+
+def _packed_log_probs(model, groups: dict[tuple, list[int]], responses, temperature, return_token_entropy,
+                      entropy_grad, row_log_probs: list, row_entropy: list):
+    """The log-probs (and entropies) of the rows of `groups` (prompt -> its rows) from one forward, into
+    row_log_probs / row_entropy. Each group is one packed row: its prompt once, then each response but its
+    last token, every response at the positions it has after the prompt; a (B, 1, L, L) mask lets a response
+    token see its prompt and its own earlier tokens only, and a prompt token its own prompt, causally. So
+    every position computes what the prompt-cache path computes, the prompt once per group as there, in one
+    call for all the groups (rows right-padded; a pad sees pads and its prompt, and is never read)."""
+    device = next(model.parameters()).device
+    width = max(_packed_length(prompt, rows, responses) for prompt, rows in groups.items())
+    ids = torch.zeros(len(groups), width, dtype=torch.long)
+    positions = torch.zeros(len(groups), width, dtype=torch.long)
+    block = torch.full((len(groups), width), -1)  # 0: the prompt; k: the group's k-th response; -1: padding
+    picks, order = [], []  # (packed row, position) of each label, row by row; the rows in that order
+    for g, (prompt, rows) in enumerate(groups.items()):
+        ids[g, :len(prompt)] = torch.tensor(prompt)
+        positions[g, :len(prompt)] = torch.arange(len(prompt))
+        block[g, :len(prompt)] = 0
+        start = len(prompt)
+        for k, row in enumerate(rows, 1):
+            response = responses[row]
+            rest = len(response) - 1 if response else 0  # the tokens that predict the next one
+            ids[g, start:start + rest] = torch.tensor(response[:rest], dtype=torch.long)
+            positions[g, start:start + rest] = torch.arange(len(prompt), len(prompt) + rest)
+            block[g, start:start + rest] = k
+            # the prompt's last position predicts token 0, the response's own positions the rest
+            picks += [(g, len(prompt) - 1)][:len(response)] + [(g, start + t) for t in range(rest)]
+            order.append(row)
+            start += rest
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    mask = causal & ((block[:, :, None] == block[:, None, :]) | (block[:, None, :] == 0))  # (G, L, L)
+    hidden = model.get_decoder()(input_ids=ids.to(device), position_ids=positions.to(device),
+                                 attention_mask=mask[:, None].to(device), use_cache=False).last_hidden_state
+    where = torch.tensor(picks, dtype=torch.long, device=device).reshape(-1, 2)
+    labels = torch.tensor([t for row in order for t in responses[row]], dtype=torch.long, device=device)
+    log_probs, entropy = head_log_probs(model, hidden[where[:, 0], where[:, 1]], labels, temperature,
+                                        return_token_entropy, entropy_grad)  # (n,)
+    lengths = [len(responses[row]) for row in order]
+    for row, piece in zip(order, log_probs.split(lengths)):
+        row_log_probs[row] = piece
+    for row, piece in zip(order, entropy.split(lengths) if entropy is not None else ()):
+        row_entropy[row] = piece
 
 
 class SharedPrompts:

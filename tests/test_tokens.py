@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from alignment import tokens
 from alignment.tokens import (SharedPrompts, compute_entropy, get_response_log_probs, rollout_log_probs,
                               tokenize_prompt_and_output)
 
@@ -71,10 +72,12 @@ def test_tokenize_rejects_mismatched_lists(tokenizer):
         tokenize_prompt_and_output(["a", "b"], ["c"], tokenizer)
 
 
-def test_rollout_log_probs_match_full_sequence_log_probs_and_gradients(tokenizer):
+@pytest.mark.parametrize("pack_tokens", [0, 6, tokens.PACK_TOKENS])  # prompt caches; group [9, 10] packed; both
+def test_rollout_log_probs_match_full_sequence_log_probs_and_gradients(tokenizer, pack_tokens, monkeypatch):
     from conftest import build_tiny_model
 
     from alignment.tokens import get_response_log_probs, rollout_log_probs
+    monkeypatch.setattr(tokens, "PACK_TOKENS", pack_tokens)
     prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10], [5, 6, 7, 8]]  # rows 0, 1, 3 share a prompt
     responses = [[11, 12, 13], [14, 15, 16, 17, 18], [19], [20, 21]]
     fast_model, slow_model = build_tiny_model(tokenizer, seed=3), build_tiny_model(tokenizer, seed=3)
@@ -108,12 +111,14 @@ def test_one_forward_mode_gives_the_same_log_probs_and_entropy(tiny_model):
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_prompts_shared_across_microbatches_give_the_same_log_probs_and_gradient(tokenizer, autocast):
+def test_prompts_shared_across_microbatches_give_the_same_log_probs_and_gradient(tokenizer, autocast, monkeypatch):
     """Three microbatches of one optimizer step: prompt A spans all three, B two, C one. With `SharedPrompts`
     A and B run once and their gradient goes through each once, after its last microbatch: the same log-probs, entropies and
     parameter gradient as a forward and backward of every prompt in every microbatch (in fp32 to its rounding;
-    under bf16 autocast no further from the fp32 gradient than the unshared bf16 one)."""
+    under bf16 autocast no further from the fp32 gradient than the unshared bf16 one). Groups are not packed
+    here (the prompt-cache path both ways; packing: test_packed_groups_*)."""
     from conftest import build_tiny_model
+    monkeypatch.setattr(tokens, "PACK_TOKENS", 0)
     a, b, c = [5, 6, 7, 8], [9, 10, 11], [12, 13]
     parts = [([a, a, b], [[14, 15, 16], [17], [18, 19]]), ([a, b, c], [[20, 21], [22, 23, 24, 25], [26]]),
              ([a], [[27, 28, 29]])]
@@ -156,6 +161,84 @@ def test_prompts_shared_across_microbatches_give_the_same_log_probs_and_gradient
             assert shared_error <= 2 * plain_error + 1e-6, (name, shared_error, plain_error)
         else:
             torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def _decoder_calls(model) -> list:
+    calls = []
+    model.get_decoder().register_forward_hook(lambda module, args, out: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_packed_groups_give_the_prompt_cache_paths_log_probs_entropy_and_gradient(tokenizer, autocast, monkeypatch):
+    """Three groups of rows of different lengths (one row of a single token, one empty) at temperature 0.7: packed,
+    one decoder call for all of them, the same log-probs, entropies and gradient as a prompt cache per group (two
+    calls each; in fp32 to its rounding, under bf16 autocast no further from fp32 than the cache path's bf16)."""
+    from conftest import build_tiny_model
+    prompts = [[5, 6, 7, 8]] * 3 + [[9, 10]] * 2 + [[11, 12, 13]] * 2
+    responses = [[14, 15, 16], [17], [18, 19, 20, 21, 22], [23, 24], [25, 26, 27, 28], [29, 30, 31, 32, 33, 34], []]
+    weights = torch.randn(7, 6, generator=torch.Generator().manual_seed(1))
+
+    def run(pack_tokens: int, bf16: bool):
+        monkeypatch.setattr(tokens, "PACK_TOKENS", pack_tokens)
+        model = build_tiny_model(tokenizer, seed=5)
+        calls = _decoder_calls(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = rollout_log_probs(model, prompts, responses, return_token_entropy=True, temperature=0.7)
+        (out["log_probs"] * weights).sum().backward()
+        return out, {name: p.grad for name, p in model.named_parameters()}, len(calls)
+
+    (cached, cached_grads, cached_calls), (packed, packed_grads, packed_calls) = run(0, autocast), run(512, autocast)
+    assert (cached_calls, packed_calls) == (6, 1)
+    assert packed["log_probs"].shape == (7, 6) and (packed["log_probs"][1, 1:] == 0).all()
+    assert (packed["log_probs"][6] == 0).all() and (packed["token_entropy"][6] == 0).all()  # the empty response
+    tolerance = dict(atol=3e-2, rtol=0) if autocast else dict(atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed["log_probs"], cached["log_probs"], **tolerance)
+    torch.testing.assert_close(packed["token_entropy"], cached["token_entropy"], **tolerance)
+    truth = run(0, False)[1] if autocast else None
+    for name, grad in cached_grads.items():
+        if autocast:
+            cached_error = (grad - truth[name]).abs().max().item()
+            packed_error = (packed_grads[name] - truth[name]).abs().max().item()
+            assert packed_error <= 2 * cached_error + 1e-6, (name, packed_error, cached_error)
+        else:
+            torch.testing.assert_close(packed_grads[name], grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_only_groups_within_pack_tokens_and_not_shared_across_microbatches_are_packed(tiny_model, monkeypatch):
+    """A group over PACK_TOKENS and one whose prompt SharedPrompts runs keep their prompt caches (two calls each
+    but one for the shared prompt's own forward, run once); the rest, one call between them."""
+    monkeypatch.setattr(tokens, "PACK_TOKENS", 8)
+    prompts = [[1, 2, 3]] * 2 + [[4, 5, 6, 7, 8]] * 2 + [[9, 10]] + [[11, 12]]
+    responses = [[13, 14], [15, 16, 17], [18, 19, 20], [21, 22], [23, 24], [25, 26, 27]]  # packed: 6, 9, 3 and 4
+    shared = SharedPrompts([[[9, 10]], [[9, 10]]])
+    calls = _decoder_calls(tiny_model)
+    with torch.no_grad():
+        out = rollout_log_probs(tiny_model, prompts, responses, shared=shared)
+        monkeypatch.setattr(tokens, "PACK_TOKENS", 0)
+        plain = rollout_log_probs(tiny_model, prompts, responses)
+    assert len(calls) == 1 + 2 + 2 + 6  # packed [1,2,3] and [11,12]; [4..8] (9 tokens) and [9, 10] (shared) cached
+    torch.testing.assert_close(out["log_probs"], plain["log_probs"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("change, packs", [(None, True), ("eager", False), ("sliding", False)])
+def test_packing_needs_a_mask_taking_attention_without_sliding_windows(tokenizer, change, packs):
+    """Eager attention adds its mask (a boolean one would be read as numbers) and a sliding window limits what a
+    position sees beyond any mask given: such models keep the prompt-cache path, with the same numbers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    config = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, use_sliding_window=change == "sliding",
+                         sliding_window=4, max_window_layers=0)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    if change == "eager":
+        model.set_attn_implementation("eager")
+    assert tokens.packs(model) is packs
+    prompts, responses = [[5, 6, 7]] * 2 + [[9, 10]], [[11, 12, 13, 14, 15, 16], [15, 16], [17, 18, 19]]
+    with torch.no_grad():
+        out = rollout_log_probs(model, prompts, responses, return_token_entropy=True)
+        full = rollout_log_probs(model, prompts, responses, return_token_entropy=True, one_forward=True)
+    torch.testing.assert_close(out["log_probs"], full["log_probs"], rtol=1e-4, atol=1e-5)
 
 
 def test_shared_prompts_without_gradient_are_reused_and_keep_no_graph(tiny_model):
