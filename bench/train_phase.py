@@ -75,8 +75,7 @@ def run_variant(args, variant: str) -> dict:
         tokens._fused_scale = lambda model: None  # the full-logits path
     if variant in ("plain", "fused_head", "sdpa_attn", "recompute_head"):
         head.SAVE_LOGITS_BYTES = 0  # (plain: unused)
-    if variant in ("plain", "fused_head", "sdpa_attn", "unpacked"):
-        tokens.PACK_TOKENS = 0
+    tokens.PACK_TOKENS = 0 if variant in ("plain", "fused_head", "sdpa_attn", "unpacked") else args.pack_tokens
     model = models.load_model(args.model)
     if variant in ("plain", "fused_head", "sdpa_attn", "eager_attn"):
         model.set_attn_implementation("eager" if variant == "eager_attn" else "sdpa")
@@ -133,6 +132,8 @@ def main():
     parser.add_argument("--min_tokens", type=int, default=0,
                         help="draw each response's length between this and --max_tokens (0: all --max_tokens long)")
     parser.add_argument("--groups", type=int, default=1, help="questions the rows answer, rows / groups each")
+    parser.add_argument("--pack_tokens", type=int, default=tokens.PACK_TOKENS,
+                        help="pack groups of at most this many tokens (tokens.PACK_TOKENS; the crossover's measure)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest ops of each variant")
     parser.add_argument("--data_dir", default=str(ROOT.parent / "shared" / "data"))
