@@ -206,18 +206,19 @@ def test_packed_groups_give_the_prompt_cache_paths_log_probs_entropy_and_gradien
 
 
 def test_only_groups_within_pack_tokens_and_not_shared_across_microbatches_are_packed(tiny_model, monkeypatch):
-    """A group over PACK_TOKENS and one whose prompt SharedPrompts runs keep their prompt caches (two calls each
-    but one for the shared prompt's own forward, run once); the rest, one call between them."""
-    monkeypatch.setattr(tokens, "PACK_TOKENS", 8)
+    """A group over PACK_TOKENS and one whose prompt SharedPrompts runs keep their prompt caches (a prompt call and
+    an answers call each); the other two go in one call between them, with the same log-probs."""
+    monkeypatch.setattr(tokens, "PACK_TOKENS", 7)
     prompts = [[1, 2, 3]] * 2 + [[4, 5, 6, 7, 8]] * 2 + [[9, 10]] + [[11, 12]]
-    responses = [[13, 14], [15, 16, 17], [18, 19, 20], [21, 22], [23, 24], [25, 26, 27]]  # packed: 6, 9, 3 and 4
+    responses = [[13, 14], [15, 16, 17], [18, 19, 20], [21, 22], [23, 24], [25, 26, 27]]  # packed: 6, 8, 3 and 4
     shared = SharedPrompts([[[9, 10]], [[9, 10]]])
     calls = _decoder_calls(tiny_model)
     with torch.no_grad():
         out = rollout_log_probs(tiny_model, prompts, responses, shared=shared)
+        assert len(calls) == 1 + 2 + 2  # [1, 2, 3] and [11, 12] packed; [4, ..., 8] (8 tokens) and [9, 10] cached
         monkeypatch.setattr(tokens, "PACK_TOKENS", 0)
         plain = rollout_log_probs(tiny_model, prompts, responses)
-    assert len(calls) == 1 + 2 + 2 + 6  # packed [1,2,3] and [11,12]; [4..8] (9 tokens) and [9, 10] (shared) cached
+    assert len(calls) == 5 + 4 * 2
     torch.testing.assert_close(out["log_probs"], plain["log_probs"], atol=1e-5, rtol=0)
 
 
