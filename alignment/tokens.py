@@ -138,8 +138,9 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
         by_prompt.setdefault(tuple(prompt), []).append(row)
     row_log_probs, row_entropy = [None] * len(prompts), [None] * len(prompts)
     packed = {prompt: rows for prompt, rows in by_prompt.items()
-              if (shared is None or prompt not in shared.prompts) and _packed_length(prompt, rows, responses) <= PACK_TOKENS}
-    if packed and packs(model):
+              if (shared is None or prompt not in shared.prompts)
+              and _packed_length(prompt, rows, responses) <= PACK_TOKENS} if packs(model) else {}
+    if packed:
         _packed_log_probs(model, packed, responses, temperature, return_token_entropy, entropy_grad, row_log_probs,
                           row_entropy)
         by_prompt = {prompt: rows for prompt, rows in by_prompt.items() if prompt not in packed}
@@ -177,7 +178,12 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
 
 def _packed_length(prompt: tuple, rows: list[int], responses: list[list[int]]) -> int:
     """The tokens of a group's packed row: its prompt, then each response but its last token."""
-    return len(prompt) + sum(max(len(responses[r]) - 1, 0) for r in rows)
+    return len(prompt) + sum(_inputs(responses[r]) for r in rows)
+
+
+def _inputs(response: list[int]) -> int:
+    """A response's tokens in a packed row: all but its last (they predict the next one)."""
+    return max(len(response) - 1, 0)
 
 
 def packs(model) -> bool:
@@ -214,7 +220,7 @@ def _packed_log_probs(model, groups: dict[tuple, list[int]], responses, temperat
         start = len(prompt)
         for k, row in enumerate(rows, 1):
             response = responses[row]
-            rest = len(response) - 1 if response else 0  # the tokens that predict the next one
+            rest = _inputs(response)
             ids[g, start:start + rest] = torch.tensor(response[:rest], dtype=torch.long)
             positions[g, start:start + rest] = torch.arange(len(prompt), len(prompt) + rest)
             block[g, start:start + rest] = k

@@ -11,8 +11,8 @@ of 128 tokens to one GSM8K prompt (r1_zero), two microbatches of 8 through `toke
 entropy) and `grpo.policy_microbatch_train_step` (GRPO-clip), then one AdamW step. The responses are random
 tokens, the advantages random: the work, not the learning, is measured. `--groups` spreads the rows over that
 many questions (the first GSM8K test ones) and `--min_tokens` draws each response's length between it and
-`--max_tokens`: the default RL run's shape is `--rows 32 --groups 8 --min_tokens 15 --max_tokens 45`. Each variant runs in a fresh process
-(its peak RSS is its own), on the same model, data and threads:
+`--max_tokens`: the default RL run's shape is `--rows 32 --groups 8 --min_tokens 15 --max_tokens 45`. Each
+variant runs in a fresh process (its peak RSS is its own), on the same model, data and threads:
 
   plain         the full-vocabulary logits, torch's default (per-tensor) AdamW and transformers' SDPA attention:
                 the code before the levers
@@ -31,8 +31,8 @@ many questions (the first GSM8K test ones) and `--min_tokens` draws each respons
   eager_attn    default with transformers' eager attention instead (measured, not adopted:
                 docs/results.md "The train phase, lever by lever")
 
-The floor is 6 N FLOPs per token (N parameters, the tied head included) over each question's prompt once and every
-response token, at this CPU's matmul rate in the run's precision, measured in the same run (the same
+The floor is 6 N FLOPs per token (N parameters, the tied head included) over each question's prompt once and
+every response token, at this CPU's matmul rate in the run's precision, measured in the same run (the same
 2048x576 by 576x1536 matmul as bench/rl_step.py). The CPU's reported bf16/AVX flags are printed beside it.
 """
 
@@ -126,7 +126,7 @@ def main():
     parser.add_argument("--model", default="smollm2-135m", help="HF folder or packaged name")
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (after one warm-up step)")
-    parser.add_argument("--rows", type=int, default=16, help="responses per step (one group, one prompt)")
+    parser.add_argument("--rows", type=int, default=16, help="responses per step (--groups questions, group by group)")
     parser.add_argument("--microbatch", type=int, default=8, help="rows per forward/backward")
     parser.add_argument("--max_tokens", type=int, default=128, help="tokens per response (the most, with --min_tokens)")
     parser.add_argument("--min_tokens", type=int, default=0,
