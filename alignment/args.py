@@ -486,6 +486,9 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
         if self.async_steps and self.rollout_is == "none":
             raise ValueError("--async_steps 1 trains on batches sampled one policy version behind, which needs rollout "
                              "correction against the sampler: use --rollout_is truncate or mask.")
+        if self.advantage_estimator == "gae" and self.critic_warmup_steps >= self.n_steps:
+            raise ValueError(f"--critic_warmup_steps {self.critic_warmup_steps} is not below --n_steps {self.n_steps}: "
+                             f"the policy would never train; lower the warm-up or raise --n_steps.")
         if self.kl_in_reward and self.kl_coef <= 0:
             raise ValueError("--kl_in_reward needs --kl_coef > 0 (the weight of the penalty).")
         if self.loss_type == "no_baseline" and self.advantage_estimator != "none":

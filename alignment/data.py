@@ -139,6 +139,8 @@ def load_reasoning_gym(spec: str, size: int, seed: int) -> list[dict]:
         key, eq, value = option.partition("=")
         if not eq:
             raise UserError(f"rg:{spec}: write task options as key=value, e.g. rg:chain_sum:max_terms=3.")
+        if key.strip() in config:
+            raise UserError(f"rg:{spec}: {key.strip()} is given twice; give each option once.")
         config[key.strip()] = _option_value(value.strip())
     if task == "basic_arithmetic" and config.get("allow_parentheses") is False and \
             set(str(config.get("operators", "+-*/"))) & set("*/"):

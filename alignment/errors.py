@@ -6,6 +6,8 @@ with one sentence that says what to do. `cli(main, args)` runs a script's `main`
 keeps its traceback. Both subclass the builtin errors they replace, so `except ValueError` still works.
 """
 
+import errno
+import os
 import sys
 
 
@@ -35,6 +37,27 @@ def cli(main, args):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # the machine's files, not a bug: a full disk, a folder deleted mid-run, a long name
+        why = _file_system_problem(e)
+        if why is None:
+            raise
+        where = f" ({e.filename})" if isinstance(e.filename, str) else ""
+        print(f"error: {why}{where}; a checkpoint saved before this is kept (a save cut short leaves the "
+              f"previous one in place).", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt as e:  # a run says what it kept (run.py); elsewhere nothing was saved
         print(f"\n{e.args[0] if e.args else 'stopped.'}", file=sys.stderr)
         sys.exit(getattr(e, "exit_status", 130))
+
+
+def _file_system_problem(e: OSError) -> str | None:
+    """One sentence for an OSError the user's machine caused, None for anything else (a bug keeps its traceback)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left on the device (or the disk quota is spent): free some, then continue the run"
+    if e.errno == errno.ENAMETOOLONG:
+        return "a file name is longer than the file system allows: choose a shorter --output_dir"
+    if e.errno == errno.EROFS:
+        return "the file system is read-only: choose another --output_dir"
+    if e.errno == errno.ENOENT and e.filename and not os.path.isdir(os.path.dirname(os.path.abspath(e.filename))):
+        return "a folder the program was writing no longer exists (deleted or unmounted while it ran)"
+    return None

@@ -19,6 +19,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenCla
 
 from alignment import attention, distributed, lora
 from alignment.errors import MissingFileError, UserError
+from alignment.tokens import check_output_head
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINTS = REPO_ROOT / "checkpoints"
@@ -243,6 +244,23 @@ def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None =
             full_state = {name: tensor.cpu() for name, tensor in items}
         else:
             distributed.GatherOnly().load_weights(items)
+    try:
+        _write_checkpoint(model, tokenizer, out_dir, tmp, main, full_state, config, extra, submodels, optimizer)
+    except BaseException as e:
+        if main:  # the partial copy goes (on a full disk: its space comes back); out_dir keeps the last whole one
+            shutil.rmtree(tmp, ignore_errors=True)
+        # torch.distributed.checkpoint wraps a full disk in its own exception (a BaseException): raise the cause,
+        # which the scripts' cli() turns into one line
+        failures = [failure for failure, _ in getattr(e, "failures", {}).values() if isinstance(failure, OSError)]
+        if failures:
+            raise failures[0] from None
+        raise
+    distributed.barrier()
+    return out_dir
+
+
+def _write_checkpoint(model, tokenizer, out_dir: Path, tmp: Path, main: bool, full_state, config, extra, submodels,
+                      optimizer):
     if optimizer is not None:
         distributed.save_optimizer(tmp / "optimizer", model, optimizer)
     if main:
@@ -263,8 +281,6 @@ def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None =
             os.replace(out_dir, old)
         os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
-    distributed.barrier()
-    return out_dir
 
 
 def finish_interrupted_save(out_dir: str | Path) -> Path:
@@ -329,13 +345,16 @@ def partition_layers(num_layers: int, devices: list[str], prefix: str = "model")
 
 def load_policy_model(name: str, policy_devices: list[str], dtype: torch.dtype | None = None):
     """The trainable policy: on one device, or split layer-wise over several GPUs; fp32 master weights
-    unless `dtype` says otherwise (see train_precision)."""
+    unless `dtype` says otherwise (see train_precision). Refused in one line, before any work, when its forward
+    scales its logits in a way the fused and shared-prompt heads do not reproduce (tokens.check_output_head)."""
     dtype = dtype or train_precision(policy_devices[0])[0]
-    if len(policy_devices) == 1:
-        return load_model(name, policy_devices[0], dtype)
-    num_layers = AutoConfig.from_pretrained(resolve_model(name)).num_hidden_layers
-    device_map = partition_layers(num_layers, policy_devices)
-    return load_model(name, policy_devices[0], dtype, device_map=device_map)
+    device_map = None
+    if len(policy_devices) > 1:
+        num_layers = AutoConfig.from_pretrained(resolve_model(name)).num_hidden_layers
+        device_map = partition_layers(num_layers, policy_devices)
+    model = load_model(name, policy_devices[0], dtype, device_map=device_map)
+    check_output_head(model)
+    return model
 
 
 def load_policy(run, args, devices: list[str], dtype: torch.dtype):

@@ -358,7 +358,11 @@ class _Zygote:
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
                "MKL_NUM_THREADS": "1"}
         cmd = [sys.executable, "-I", "-B", os.path.abspath(__file__), "--zygote"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd="/")
+        # its own session: a Ctrl-C, or a SIGTERM a launcher sends to the run's whole process group, is the run's
+        # to handle (stop after the step, with a checkpoint), and must not kill zygotes mid-start or print their
+        # tracebacks. A zygote still ends with its caller: its pipe closes (EOF), or close() kills it.
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd="/",
+                                     start_new_session=True)
         self.layers = None
 
     def call(self, msg, timeout):

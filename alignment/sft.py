@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from alignment import allocator, data, distributed, lora, models
 from alignment.args import SFTArgs, parse
 from alignment.errors import MissingFileError, UserError, cli
-from alignment.evaluate import check_context, evaluate
+from alignment.evaluate import _model_context, check_context, evaluate
 from alignment.grpo import sft_microbatch_train_step
 from alignment.run import Run
 from alignment.sampling import SamplingParams, WeightPush, make_sampler, pick_backend
@@ -48,11 +48,16 @@ def gsm8k_sft_example(row: dict, template: str) -> dict:
             "response": f" {reasoning} </think> <answer> {row['answer']} </answer>"}
 
 
-def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = ()) -> list[dict]:
+def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = (), context: int | None = None,
+                      log=print) -> list[dict]:
     """{prompt, response} pairs: --train_file, GSM8K train in the r1_zero format, or worked solutions of an
     rg: task (never of a question in `eval_rows`, the evaluation set); with --max_response_tokens (needs the
-    tokenizer) only those whose response is at most that long, then the first --max_examples of them."""
+    tokenizer) only those whose response is at most that long, then the first --max_examples of them. With
+    `context` (the model's, in tokens; needs the tokenizer), an example whose prompt and response do not fit
+    is dropped with a count before anything is built from it: a worked solution only once its question fits,
+    a text tokenized only when its characters could fit (an rg: task of 100,000 terms once grew to 23 GB)."""
     template = data.load_prompt("r1_zero")
+    fits, dropped = (_fits_context(tokenizer, context) if context else lambda *texts: True), 0
     if args.train_file:
         if not Path(args.train_file).exists():
             raise MissingFileError(f"--train_file {args.train_file} does not exist; pass a JSONL of "
@@ -63,17 +68,44 @@ def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = ())
     elif args.dataset.startswith("rg:"):
         held_out = {row["question"] for row in eval_rows}
         rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
-        examples = [{"prompt": data.format_prompt(template, row["question"]), "response": worked_solution(row, args.worked_style)}
-                    for row in rows if row["question"] not in held_out]
+        prompts = [(data.format_prompt(template, row["question"]), row) for row in rows if row["question"] not in held_out]
+        examples = [{"prompt": prompt, "response": worked_solution(row, args.worked_style)}
+                    for prompt, row in prompts if fits(prompt)]  # a question too long: no solution is built
+        dropped = len(prompts) - len(examples)
     else:
         raise UserError(f"--dataset {args.dataset} has no training solutions; SFT trains on gsm8k, an rg:<task> "
                         f"(basic_arithmetic or chain_sum) or your own --train_file.")
+    if context:
+        kept = [e for e in examples if fits(e["prompt"], e["response"])]
+        dropped += len(examples) - len(kept)
+        if not kept:
+            raise UserError(f"no training example fits the model's context ({context} tokens for prompt and "
+                            f"response): use shorter examples (for an rg: task, fewer terms).")
+        if dropped:
+            log(f"[sft] dropped {dropped} of {len(kept) + dropped} examples whose prompt and response do not fit the "
+                f"model's context ({context} tokens)")
+        examples = kept
     limit = args.max_response_tokens if args.max_response_tokens is not None else (100 if args.dataset == "gsm8k"
                                                                                    and not args.train_file else 0)
     if limit:
         lengths = [len(ids) for ids in tokenizer([e["response"] for e in examples], add_special_tokens=False).input_ids]
         examples = [e for e, n in zip(examples, lengths) if n <= limit]
     return examples[:args.max_examples] if args.max_examples else examples
+
+
+def _fits_context(tokenizer, context: int):
+    """(texts) -> whether their tokens, each text tokenized on its own as SFT does, fit `context`; tokenizing
+    only when it must: a token covers at least one byte, so texts of fewer than `context` bytes in all fit, and
+    at most `longest` characters, so more than context x longest characters cannot (tokenizing megabytes is what
+    ran out of memory)."""
+    longest = max(map(len, tokenizer.get_vocab()))
+
+    def fits(*texts: str) -> bool:
+        if sum(len(text.encode()) for text in texts) < context:
+            return True
+        return sum(map(len, texts)) <= context * longest and \
+            sum(len(tokenizer(text, add_special_tokens=False).input_ids) for text in texts) <= context
+    return fits
 
 
 def load_eval_rows(args: SFTArgs) -> list[dict]:
@@ -140,7 +172,7 @@ def main(args: SFTArgs) -> dict:
     with distributed.main_first():  # rank 0 converts the packaged model first
         tokenizer = models.load_tokenizer(run.weights)
     eval_rows = load_eval_rows(args)
-    examples = load_sft_examples(args, tokenizer, eval_rows)
+    examples = load_sft_examples(args, tokenizer, eval_rows, _model_context(run.weights), run.say)
     if len(examples) < args.batch_size:
         raise UserError(f"only {len(examples)} training examples, fewer than --batch_size {args.batch_size}.")
     total_steps = (len(examples) // args.batch_size) * args.epochs

@@ -11,6 +11,7 @@ logsumexp, and entropy is computed over chunks of positions.
 
 import copy
 import functools
+import weakref
 from collections import Counter
 
 import torch
@@ -306,8 +307,8 @@ def _add_grad_to(total: torch.Tensor, leaf: torch.Tensor):
 def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The model's logits from its decoder's last hidden states: the output head, then what the model's own
     forward does after it (transformers 5: Gemma-2/3's final-logit softcapping, Cohere's logit_scale,
-    Granite's logits_scaling), so the shared-prompt path scores the distribution the sampler draws from.
-    `check_output_head` verifies this against the model's forward when a policy is loaded."""
+    Granite's and HyperCLOVAX's logits_scaling, FalconH1's lm_head_multiplier), so the shared-prompt and fused
+    paths score the distribution the sampler draws from. Proven against the model's forward (`_post_head`)."""
     scale, cap = _post_head(model)
     logits = model.get_output_embeddings()(hidden)
     if scale != 1.0:
@@ -317,14 +318,52 @@ def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+_PROVEN = weakref.WeakKeyDictionary()  # model -> its post-head (factor, cap), once proven against its forward
+
+
 def _post_head(model) -> tuple[float, float | None]:
-    """The model's forward after its head: a factor on the logits, then a softcap (None: none)."""
+    """The model's forward after its head: a factor on the logits, then a softcap (None: none). Read from the
+    config, then proven once per model against the model's own forward (`check_output_head`): every path that
+    calls the head itself (the fused head in SFT, expert iteration and RL; the shared-prompt path) goes
+    through here, so a family that scales its logits another way is refused, never silently mis-scored."""
+    if model not in _PROVEN:
+        _PROVEN[model] = _prove_post_head(model, *_declared_post_head(model))
+    return _PROVEN[model]
+
+
+def _declared_post_head(model) -> tuple[float, float | None]:
     config = getattr(model.config, "text_config", None) or model.config
     scale = getattr(model, "logit_scale", None) or getattr(config, "logit_scale", None)
     factor = scale if scale is not None and not isinstance(scale, torch.nn.Module) else 1.0  # Cohere
-    if getattr(config, "logits_scaling", None):  # Granite
-        factor = factor / config.logits_scaling
+    if getattr(config, "logits_scaling", None):  # Granite divides (HF GraniteForCausalLM), HyperCLOVAX multiplies
+        multiplies = getattr(config, "model_type", "") == "hyperclovax"
+        factor = factor * config.logits_scaling if multiplies else factor / config.logits_scaling
+    if getattr(config, "lm_head_multiplier", None):  # FalconH1
+        factor = factor * config.lm_head_multiplier
     return float(factor), getattr(config, "final_logit_softcapping", None)
+
+
+@torch.no_grad()
+def _prove_post_head(model, scale: float, cap: float | None) -> tuple[float, float | None]:
+    """(scale, cap) if the head followed by them gives the model's own logits on a few tokens, else a UserError."""
+    device, training = next(model.parameters()).device, model.training
+    ids = torch.tensor([[1, 2, 3, 4]], device=device)
+    model.eval()  # no dropout (LoRA's included): both sides must see the same computation
+    try:
+        with torch.autocast(device.type, enabled=False):  # both in the weights' dtype, not a caller's autocast
+            full = model(input_ids=ids).logits[:, -1].float()
+            hidden = model.get_decoder()(input_ids=ids).last_hidden_state[:, -1]
+            logits = model.get_output_embeddings()(hidden).float()
+    finally:
+        model.train(training)
+    logits = logits * scale
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    if not torch.allclose(full, logits, rtol=1e-3, atol=1e-3 * max(1.0, full.abs().max().item())):
+        raise UserError(f"{type(model).__name__}'s forward changes its logits after the output head in a way this "
+                        f"project does not reproduce (alignment/tokens.py _declared_post_head): its log-probs would "
+                        f"not be the sampler's; use a model of another family, or add its post-head step there.")
+    return scale, cap
 
 
 def _fused_scale(model) -> float | None:
@@ -332,24 +371,17 @@ def _fused_scale(model) -> float | None:
     softcap, not FSDP-sharded: a sharded root gathers its head only when called itself), else None."""
     from torch.distributed.fsdp import FSDPModule
     head = model.get_output_embeddings()
-    scale, cap = _post_head(model)
-    if type(head) is not torch.nn.Linear or head.bias is not None or cap or isinstance(model, FSDPModule):
+    if type(head) is not torch.nn.Linear or head.bias is not None or isinstance(model, FSDPModule):
         return None
-    return scale
+    scale, cap = _post_head(model)
+    return None if cap else scale
 
 
-@torch.no_grad()
 def check_output_head(model):
     """Refuse, in one sentence, a model whose forward changes its logits in a way `output_logits` does not
-    reproduce (the shared-prompt log-probs would score another distribution than the sampler's)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([[1, 2, 3, 4]], device=device)
-    full = model(input_ids=ids).logits[:, -1].float()
-    shared = output_logits(model, model.get_decoder()(input_ids=ids).last_hidden_state[:, -1:]).float()[:, -1]
-    if not torch.allclose(full, shared, rtol=1e-3, atol=1e-3 * max(1.0, full.abs().max().item())):
-        raise UserError(f"{type(model).__name__}'s forward changes its logits after the output head in a way this "
-                        f"project does not reproduce (alignment/tokens.py output_logits): its log-probs would not be "
-                        f"the sampler's; use a model of another family, or add its post-head step there.")
+    reproduce (its fused or shared-prompt log-probs would score another distribution than the sampler's).
+    Every path that needs it runs it itself; scripts call it up front so a refusal comes before any work."""
+    _post_head(model)
 
 
 def _one_forward_log_probs(model, prompts, responses, return_token_entropy, temperature, entropy_grad) -> dict:

@@ -40,7 +40,7 @@ from alignment.experience import Experience, SamplingStopped, build_experience, 
 from alignment.grpo import policy_microbatch_train_step, weighted_sum
 from alignment.run import Run
 from alignment.sampling import HFSampler, SamplingParams, WeightPush, derive_seed, make_sampler, pick_backend
-from alignment.tokens import SharedPrompts, check_output_head, rollout_log_probs, rollout_values
+from alignment.tokens import SharedPrompts, rollout_log_probs, rollout_values
 
 RESUMABLE_CHANGES = {"n_steps"}  # flags a resumed run may change, besides the run folder's own (run.py)
 MAX_BAD_STEPS = 3  # consecutive non-finite losses or gradients before the run aborts
@@ -226,7 +226,7 @@ def main(args: RLArgs) -> dict:
             once = {}
             run.log(metrics)
             run.log_rollouts(step + 1, batch.samples[:args.log_rollouts])
-            run.say(_log_line(metrics, args.n_steps))
+            run.say(_log_line(metrics, args.n_steps, args.critic_warmup_steps if m.critic is not None else 0))
             if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.n_steps):
                 run_eval(step + 1)
             stop = run.stop_requested()  # Ctrl-C or SIGTERM: checkpoint this step, then end
@@ -276,8 +276,6 @@ def load_models(args: RLArgs, run: Run, roles: dict, device: str, backend: str) 
     tokenizer = models.load_tokenizer(run.weights)
     dtype, autocast = models.train_precision(roles["policy"][0], args.precision, args.bf16_weights)
     policy = models.load_policy(run, args, roles["policy"], dtype)
-    if not device:  # the shared-prompt log-probs (tokens.py) must score what the model's forward does
-        check_output_head(policy)
     if device:
         distributed.shard(policy, device, bf16=models.resolve_precision(args.precision, device) == "bf16")
 
@@ -450,13 +448,19 @@ def _clip_and_step(model, optimizer, max_grad_norm: float, train: _Means, name: 
     return True
 
 
-def _log_line(m: dict, n_steps: int) -> str:
+def _log_line(m: dict, n_steps: int, critic_warmup_steps: int = 0) -> str:
     seconds = " ".join(f"{k[8:]} {v:.1f}s" for k, v in m.items() if k.startswith("seconds_"))
     head = (f"step {m['step']}/{n_steps} | reward {m['reward']:.3f} | fmt {m['format_reward']:.2f} | "
             f"ans {m['answer_reward']:.2f} | len {m['response_tokens']:.0f} | ")
-    if "loss" not in m:  # the filters kept no group in any sampling round: the weights did not change
-        return head + (f"no update: no group kept in {m['sampling_rounds']:.0f} sampling round(s) "
-                       f"(--max_sampling_rounds) | {seconds}")
+    if "loss" not in m:  # the policy's weights did not change: say why
+        if m["step"] <= critic_warmup_steps:  # the critic trained, the policy waits
+            why = f"critic warm-up, step {m['step']} of {critic_warmup_steps} (--critic_warmup_steps)"
+        elif m.get("kept_traces", 1) == 0:
+            why = f"no group kept in {m['sampling_rounds']:.0f} sampling round(s) (--max_sampling_rounds)"
+        else:
+            why = "every optimizer step was skipped (a non-finite loss or gradient)"
+        value = f"value loss {m['value_loss']:.4f} | " if "value_loss" in m else ""
+        return head + f"no policy update: {why} | {value}{seconds}"
     return head + (f"loss {m['loss']:.4f} | clip {m.get('clip_fraction', 0):.3f} | ent {m.get('entropy', float('nan')):.2f} | "
                    f"gnorm {m.get('grad_norm', float('nan')):.2f} | kl {m.get('kl', 0):.4f} | "
                    f"mismatch {m.get('sampler_logprob_diff', float('nan')):.1e} | is {m.get('rollout_is_weight_mean', 1):.3f} "

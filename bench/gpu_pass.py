@@ -129,11 +129,21 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
 
 def run(args):
     out = Path(args.out)
+    earlier = [name for name in ("log.txt", "results.json") if (out / name).exists()]
+    if earlier:  # never destroy an earlier pass's result
+        sys.exit(f"error: {out} holds an earlier pass's {' and '.join(earlier)}: choose a new --out.")
+    if out.exists() and not out.is_dir():
+        sys.exit(f"error: --out {out} is a file: name a folder.")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            sys.exit("error: --device cuda, and torch sees no CUDA device here: run it on the GPU machine, or the "
+                     "CPU dry run with --device cpu --tiny.")
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu-pass-"))
     env = pass_env(args)
     os.environ.update(env)
-    log = open(out / "log.txt", "w")
+    log = open(out / "log.txt", "x")  # exclusive: a pass started meanwhile in the same folder is not overwritten
     say = lambda text: (print(text, flush=True), log.write(text + "\n"), log.flush())  # noqa: E731
     start = time.perf_counter()
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": args.device, "tiny": args.tiny,
@@ -380,29 +390,36 @@ def stage(args, flags: list[str]):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="fill .gpu_pass/ here (wheels, SmolLM2 config and tokenizer, GSM8K rows)")
+    p = sub.add_parser("prepare", allow_abbrev=False, help="fill .gpu_pass/ here (wheels, SmolLM2 config and tokenizer, GSM8K rows)")
     p.add_argument("--data_dir", default=None, help="the folder holding gsm8k/ (default $ALIGNMENT_DATA_DIR, else "
                    "../shared/data, else dataset/)")
-    p = sub.add_parser("run", help="run the pass (on the GPU machine, or --device cpu --tiny here)")
+    p = sub.add_parser("run", allow_abbrev=False, help="run the pass (on the GPU machine, or --device cpu --tiny here)")
     p.add_argument("--out", required=True, help="folder for results.json and log.txt (the device tool's $OUT)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where every role runs")
     p.add_argument("--tiny", action="store_true", help="2-layer models and a few tokens: the CPU dry run")
     p.add_argument("--work", default=None, help="folder for models and runs (default: a new temporary folder)")
-    p.add_argument("--budget", type=float, default=420, help="seconds after which no stage starts")
-    p.add_argument("--only", default=None, help="comma-separated stages to run (default: all)")
-    p = sub.add_parser("stage", help=argparse.SUPPRESS)
+    p.add_argument("--budget", type=float, default=420, help="seconds after which no stage starts (20 or more)")
+    p.add_argument("--only", default=None, help=f"comma-separated stages to run (default: all): {', '.join(CHECKS)}")
+    p = sub.add_parser("stage", allow_abbrev=False, help=argparse.SUPPRESS)
     p.add_argument("--work", required=True)
     p.add_argument("--name", required=True)
-    args, rest = parser.parse_known_args()
+    p.add_argument("flags", nargs=argparse.REMAINDER, help="train_rl's flags, after --")
+    args = parser.parse_args()
     if args.command == "prepare":
         prepare(args)
     elif args.command == "run":
+        if args.budget < 20:  # a stage starts only with 20 s left
+            parser.error(f"--budget {args.budget:g} is under 20 seconds: no stage would start")
+        unknown = sorted(set((args.only or "").split(",")) - set(CHECKS)) if args.only is not None else []
+        if unknown:
+            parser.error(f"--only names no stage called {', '.join(map(repr, unknown))}: the stages are "
+                         f"{', '.join(CHECKS)}")
         sys.exit(run(args))
     else:
-        stage(args, [word for word in rest if word != "--"])
+        stage(args, [word for word in args.flags if word != "--"])
 
 
 if __name__ == "__main__":

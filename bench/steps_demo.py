@@ -17,20 +17,23 @@ plain command (printed as it starts, its output in <out>/<stage>.log):
    of seed 0): the trained difficulty (5 numbers) and one step harder (6 numbers, transfer), for the SFT
    checkpoint, the RL checkpoint and (once, after the seeds) the start model.
 A stage that finished is kept, one that was interrupted continues (`--resume`), so running the same command
-again picks up where it stopped. Writes <out>/steps_demo.md (the table: answer rate, mean response tokens,
+again picks up where it stopped; "finished" means its recorded command (<out>/stages.json, with those of the
+stages it reads) is this one. A folder that holds another recipe's result is refused unless `--overwrite`, and
+then each script deletes only what a run wrote (the scripts' own folder rules). Writes <out>/steps_demo.md (the table: answer rate, mean response tokens,
 wall time per stage) and <out>/samples.md (answers to the same questions after SFT and after RL).
 """
 
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
+from alignment.run import read_jsonl
 from alignment.worked import parse_expression
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,31 +75,87 @@ def eval_command(model: str, task: str, out_dir: Path, limit: int) -> list[str]:
             MAX_TOKENS, "--output_dir", str(out_dir)]
 
 
-def stage(name: str, command: list[str], out: Path, done: bool, resumable: Path | None = None) -> float | None:
-    """Run `python <command>` unless `done`; its wall time in seconds (None when kept from before). A
-    training stage with a checkpoint continues with --resume."""
-    times_path = out / "times.json"
+STAGES_FILE = "stages.json"  # each stage's command as last started, with the records of the stages it reads
+
+
+class Stage(NamedTuple):
+    name: str
+    command: list[str]  # `python <command>`; its --output_dir is the stage's folder
+    reads: tuple[str, ...] = ()  # stages whose output it reads: a new SFT checkpoint makes its RL run stale
+    trains: bool = False  # a training run (resumable from its checkpoint) rather than an evaluation
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.command[self.command.index("--output_dir") + 1])
+
+    def finished(self) -> bool:
+        """Its results are complete: an evaluation's summary, a training run's last step with its checkpoint."""
+        if not self.trains:
+            return (self.folder / "summary.json").exists()
+        steps = self.command[self.command.index("--n_steps") + 1] if "--n_steps" in self.command else None
+        last = int(steps) if steps else int(self.command[self.command.index("--max_examples") + 1]) // 8  # 8 a step
+        return (self.folder / "checkpoint" / "config.json").exists() and \
+            any(m.get("step") == last for m in read_jsonl(self.folder / "metrics.jsonl"))
+
+
+def records(out: Path) -> dict:
+    path = out / STAGES_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def record(stage: Stage, known: dict) -> dict:
+    """What makes a stage's result this stage's: its command and, recursively, those of the stages it reads."""
+    return {"command": stage.command, "reads": {name: known.get(name) for name in stage.reads}}
+
+
+def used(folder: Path) -> bool:
+    return folder.is_dir() and any(p.name != ".lock" for p in folder.iterdir())
+
+
+def check_plan(plan: list[Stage], out: Path, overwrite: bool):
+    """Before any stage runs: a folder that holds a run made with other flags (or by hand) is refused unless
+    --overwrite, so no result is silently replaced or reused for another recipe."""
+    known, wanted = records(out), {}
+    for stage in plan:
+        wanted[stage.name] = record(stage, wanted)
+        if used(stage.folder) and known.get(stage.name) != wanted[stage.name] and not overwrite:
+            why = "other flags" if stage.name in known else "no record of its flags (an older demo, or by hand)"
+            sys.exit(f"[steps_demo] error: {stage.folder} holds a {stage.name} result made with {why}: choose "
+                     f"another --out, or add --overwrite to run that stage again (each script deletes only what "
+                     f"a run wrote).")
+
+
+def run_stage(stage: Stage, out: Path) -> float | None:
+    """Run `python <command>` unless its recorded command (and those of what it reads) is this one and its
+    results are complete; its wall time in seconds (None when kept). A training run with a checkpoint of this
+    very command continues with --resume; one with no checkpoint, or another command's, starts over with the
+    script's own --overwrite (which refuses files no run wrote); an evaluation's old results are deleted by
+    name (results.jsonl, summary.json: what evaluate writes)."""
+    times_path, known = out / "times.json", records(out)
     times = json.loads(times_path.read_text()) if times_path.exists() else {}
-    if done:
-        print(f"[steps_demo] {name}: done, kept", flush=True)
-        return times.get(name)
-    if resumable is not None and (resumable / "checkpoint" / "trainer_state.pt").exists():
-        command = command[:2] + ["--resume", str(resumable)]  # its own flags come from the checkpoint
-    elif "--output_dir" in command:  # a training run that saved nothing, or an evaluation cut short: start again
-        shutil.rmtree(command[command.index("--output_dir") + 1], ignore_errors=True)
-    print(f"[steps_demo] {name}: uv run python {' '.join(command)}", flush=True)
+    mine = record(stage, known)
+    same = known.get(stage.name) == mine
+    if same and stage.finished():
+        print(f"[steps_demo] {stage.name}: done, kept", flush=True)
+        return times.get(stage.name)
+    command = stage.command
+    if same and stage.trains and (stage.folder / "checkpoint" / "trainer_state.pt").exists():
+        command = command[:2] + ["--resume", str(stage.folder)]  # its own flags come from the checkpoint
+    else:
+        times[stage.name] = 0.0
+        if stage.trains and used(stage.folder):
+            command = command + ["--overwrite"]
+        elif used(stage.folder):
+            for name in ("results.jsonl", "summary.json"):
+                (stage.folder / name).unlink(missing_ok=True)
+    (out / STAGES_FILE).write_text(json.dumps({**known, stage.name: mine}, indent=1))
+    print(f"[steps_demo] {stage.name}: uv run python {' '.join(command)}", flush=True)
     start = time.perf_counter()
-    with open(out / f"{name}.log", "a") as log:
+    with open(out / f"{stage.name}.log", "a") as log:
         subprocess.run([sys.executable, *command], check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    times[name] = times.get(name, 0.0) + time.perf_counter() - start  # a resumed stage adds its parts
+    times[stage.name] = times.get(stage.name, 0.0) + time.perf_counter() - start  # a resumed stage adds its parts
     times_path.write_text(json.dumps(times, indent=1))
-    return times[name]
-
-
-def finished(run_dir: Path, step_key: str, last: int) -> bool:
-    metrics = run_dir / "metrics.jsonl"
-    return metrics.exists() and any(json.loads(line).get(step_key) == last for line in open(metrics)) and \
-        (run_dir / "checkpoint" / "config.json").exists()
+    return times[stage.name]
 
 
 def question(prompt: str) -> str:
@@ -114,27 +173,48 @@ def summary(eval_dir: Path) -> dict:
             "steps_written": statistics.mean(w == n for w, n in zip(written, operations))}
 
 
-def run_seed(seed: int, args, out: Path) -> dict:
-    sft_dir, rl_dir = out / f"sft-seed{seed}", out / f"rl-seed{seed}"
-    sft_steps = args.sft_examples // 8
+def plan(args, out: Path) -> list[Stage]:
+    """Every stage of the demo, in order: per seed SFT, its evaluations, RL, its evaluations; then the start
+    model's evaluations (the same for every seed: once, last)."""
     sft_task, rl_task, transfer_task = tasks(args.task)
-    seconds = {"sft": stage(f"sft-seed{seed}", sft_command(args.model, seed, sft_dir, args.sft_examples, args.limit,
-                                                           args.worked_style, sft_task, rl_task), out,
-                            finished(sft_dir, "step", sft_steps), sft_dir)}
-    for task_name, task in (("trained", rl_task), ("transfer", transfer_task)):
-        name = f"eval-sft-seed{seed}-{task_name}"
-        seconds[name] = stage(name, eval_command(str(sft_dir), task, out / name, args.limit), out,
-                              (out / name / "summary.json").exists())
-    seconds["rl"] = stage(f"rl-seed{seed}", rl_command(seed, rl_dir, sft_dir, args.rl_steps, args.limit, args.rl_backend, rl_task)
-                          + args.rl_flags.split(), out,
-                          finished(rl_dir, "step", args.rl_steps), rl_dir)
-    for task_name, task in (("trained", rl_task), ("transfer", transfer_task)):
-        name = f"eval-rl-seed{seed}-{task_name}"
-        seconds[name] = stage(name, eval_command(str(rl_dir), task, out / name, args.limit), out,
-                              (out / name / "summary.json").exists())
+    stages = []
+    for seed in args.seeds:
+        sft_dir, rl_dir = out / f"sft-seed{seed}", out / f"rl-seed{seed}"
+        sft, rl = f"sft-seed{seed}", f"rl-seed{seed}"
+        stages.append(Stage(sft, sft_command(args.model, seed, sft_dir, args.sft_examples, args.limit,
+                                             args.worked_style, sft_task, rl_task), trains=True))
+        stages += [Stage(f"eval-sft-seed{seed}-{name}", eval_command(str(sft_dir), task, out / f"eval-sft-seed{seed}-{name}",
+                                                                   args.limit), reads=(sft,))
+                   for name, task in (("trained", rl_task), ("transfer", transfer_task))]
+        stages.append(Stage(rl, rl_command(seed, rl_dir, sft_dir, args.rl_steps, args.limit, args.rl_backend, rl_task)
+                            + args.rl_flags.split(), reads=(sft,), trains=True))
+        stages += [Stage(f"eval-rl-seed{seed}-{name}", eval_command(str(rl_dir), task, out / f"eval-rl-seed{seed}-{name}",
+                                                                  args.limit), reads=(rl,))
+                   for name, task in (("trained", rl_task), ("transfer", transfer_task))]
+    stages += [Stage(f"eval-start-{name}", eval_command(args.model, task, out / f"eval-start-{name}", args.limit))
+               for name, task in (("trained", rl_task), ("transfer", transfer_task))]
+    return stages
+
+
+def check_flags(stages: list[Stage]):
+    """Every stage's command parsed by its script's own parser before any stage runs (a bad --rl_flags is
+    refused now, not after SFT and two evaluations)."""
+    from alignment.args import SCRIPTS, parse
+    for stage in stages:
+        script = stage.command[1].removeprefix("alignment.")
+        try:
+            parse(SCRIPTS[script], stage.command[2:])
+        except SystemExit:
+            sys.exit(f"[steps_demo] error: the {stage.name} stage's flags were refused (above): fix the driver's flags.")
+
+
+def seed_row(seed: int, out: Path, seconds: dict) -> dict:
+    rl_dir = out / f"rl-seed{seed}"
     curve = [(r["step"], r["eval_avg_answer_rewards"]) for r in map(json.loads, open(rl_dir / "metrics.jsonl"))
              if "eval_avg_answer_rewards" in r]
-    return {"seed": seed, "seconds": seconds, "curve": curve,
+    return {"seed": seed, "curve": curve, "seconds": {
+                "sft": seconds[f"sft-seed{seed}"], "rl": seconds[f"rl-seed{seed}"],
+                **{name: value for name, value in seconds.items() if name.startswith("eval-") and f"seed{seed}-" in name}},
             **{f"{model}_{task}": summary(out / f"eval-{model}-seed{seed}-{task}")
                for model in ("sft", "rl") for task in ("trained", "transfer")}}
 
@@ -201,25 +281,33 @@ def main():
     parser.add_argument("--rl_flags", default="", help="more train_rl flags, e.g. '--learning_rate 1e-4'")
     parser.add_argument("--limit", type=int, default=100, help="held-out questions per evaluation")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "steps_demo"), help="folder for every stage")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="run again a stage whose folder holds a result made with other flags (default: refuse)")
     args = parser.parse_args()
     if args.sft_examples < 8 or args.sft_examples % 8:
         parser.error("--sft_examples must be a positive multiple of 8 (one SFT step takes 8)")
+    for flag in ("rl_steps", "limit"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1")
+    if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
+        parser.error("--seeds must be distinct numbers from 0")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out} is a file: name a folder")
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
+    stages = plan(args, out)
+    check_flags(stages)
+    check_plan(stages, out, args.overwrite)
+    out.mkdir(parents=True, exist_ok=True)
     try:
-        rows = [run_seed(seed, args, out) for seed in args.seeds]
-        base = {}  # the start model, the same for every seed: measured once, last
-        for task_name, task in zip(("trained", "transfer"), tasks(args.task)[1:]):
-            name = f"eval-start-{task_name}"
-            stage(name, eval_command(args.model, task, out / name, args.limit), out,
-                  (out / name / "summary.json").exists())
-            base[task_name] = summary(out / name)
+        seconds = {stage.name: run_stage(stage, out) for stage in stages}
     except KeyboardInterrupt:
         sys.exit("[steps_demo] interrupted: a training stage keeps its last checkpoint; run the same command again "
                  "to continue")
     except subprocess.CalledProcessError as e:
         sys.exit(f"[steps_demo] a stage ended with exit status {e.returncode}: see its .log in {out}")
+    rows = [seed_row(seed, out, seconds) for seed in args.seeds]
+    base = {name: summary(out / f"eval-start-{name}") for name in ("trained", "transfer")}
     write_table(rows, base, out, args)
     write_samples(rows, out)
     print(f"[steps_demo] wrote {out / 'steps_demo.md'} and {out / 'samples.md'}; plot the RL runs with "

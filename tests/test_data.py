@@ -109,6 +109,7 @@ def test_reasoning_gym_tasks_with_options_are_seeded_and_split():
 @pytest.mark.parametrize("name,message", [("rg:chain_sum:max_terms", "key=value"),
                                           ("rg:chain_sum:colour=red", "rejected the options"),
                                           ("rg:no_such_task", "has no task"),
+                                          ("rg:chain_sum:max_terms=3,max_terms=5", "max_terms is given twice"),
                                           ("rg:basic_arithmetic:allow_parentheses=false", "gets \\* and / wrong"),
                                           ("rg:basic_arithmetic:operators=+*,allow_parentheses=false", "no precedence")])
 def test_bad_reasoning_gym_specs_say_what_to_do(name, message):

@@ -28,3 +28,34 @@ def test_the_gpu_pass_runs_every_stage_on_the_cpu(data_dir, tmp_path):
     assert stages["qwen_shape"]["train_mfu"] > 0 and stages["qwen_shape"]["generated_tokens_per_s"] > 0
     assert "skipped" in stages["pytest"]["summary"]  # no CUDA here: the gpu tests skip, cleanly
     assert "[gpu_pass] done" in (tmp_path / "out" / "log.txt").read_text()
+
+
+def _gpu_pass(*argv, cwd=ROOT):
+    return subprocess.run([sys.executable, "bench/gpu_pass.py", *argv], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--devcie", "cpu"], "unrecognized arguments: --devcie"),  # once ignored: the pass ran on --device cuda
+    (["--dev", "cpu"], "unrecognized arguments: --dev"),  # no abbreviations either
+    (["--budget", "-5"], "no stage would start"),
+    (["--only", "rl,bogus"], "no stage called 'bogus'"),  # once: "every stage ok" having run none
+])
+def test_the_pass_refuses_a_bad_flag_before_it_writes_anything(argv, message, tmp_path):
+    done = _gpu_pass("run", "--out", str(tmp_path / "out"), *argv)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_pass_never_overwrites_an_earlier_pass(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "log.txt").write_text("an earlier pass\n")
+    done = _gpu_pass("run", "--device", "cpu", "--tiny", "--out", str(tmp_path / "out"))
+    assert done.returncode != 0 and "holds an earlier pass's log.txt" in done.stderr, done.stderr
+    assert (tmp_path / "out" / "log.txt").read_text() == "an earlier pass\n"
+    import torch
+    if torch.cuda.is_available():
+        return
+    done = _gpu_pass("run", "--out", str(tmp_path / "new"))  # no CUDA here: said before any file is written
+    assert done.returncode != 0 and "torch sees no CUDA device" in done.stderr, done.stderr
+    assert not (tmp_path / "new").exists()

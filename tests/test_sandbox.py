@@ -200,3 +200,26 @@ def test_dead_zygote_is_replaced(sb):
     results = [sb.run("print(2)") for _ in range(sb.workers)]  # each idle zygote serves one call
     assert sum(not r.ok and r.error.startswith("SandboxError") for r in results) == 1
     assert sb.run("print(3)").stdout == "3\n" and sb.run("print(4)").stdout == "4\n"
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_runs_process_group_leaves_the_zygotes_alone(signum):
+    """`timeout`, Slurm or `kill -- -PGID` signal a run's whole process group, and a Ctrl-C the terminal's: the
+    run handles it (stops after its step with a checkpoint). Zygotes that got it too died mid-start ("sandbox
+    zygote failed to start", a crash with no checkpoint) or printed KeyboardInterrupt tracebacks."""
+    import subprocess
+    import sys
+    script = f"""
+import os, signal, threading
+from alignment.sandbox import Sandbox
+got = []
+signal.signal(signal.{signum}, lambda *a: got.append(1))  # the run's own handler: stop after the step
+box = Sandbox(workers=2)
+threading.Timer(0.3, lambda: os.killpg(0, signal.{signum})).start()  # while the zygotes start (~1 s)
+print(box.run("print(6 * 7)").stdout.strip(), got)
+box.close()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          start_new_session=True, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout.split() == ["42", "[1]"], done.stdout + done.stderr
+    assert "KeyboardInterrupt" not in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -219,3 +219,25 @@ def test_batches_may_keep_the_short_last_one():
     assert [len(b) for b in kept] == [2, 2, 1] and sorted(sum(kept, [])) == list(range(5))
     assert sft.batch_indices(3, 5, 2, seed=0, drop_last=False) != kept[0]  # the next epoch, a new order
     assert sft.batch_indices(0, 3, 8, seed=0, drop_last=False) != []  # fewer examples than one batch: one step
+
+
+def test_examples_longer_than_the_context_are_dropped_with_a_count_before_they_are_built(tokenizer, monkeypatch):
+    """An rg: task of 100,000 terms once grew SFT to 23 GB: what cannot fit the model's context is dropped, its
+    worked solution never written, and none fitting is one line."""
+    built, said = [], []
+    real = sft.worked_solution
+    monkeypatch.setattr(sft, "worked_solution", lambda row, style: built.append(row["question"]) or real(row, style))
+    args = SFTArgs(dataset="rg:chain_sum:min_terms=2,max_terms=150,max_digits=1", rg_size=100, max_examples=0)
+    every = sft.load_sft_examples(args, tokenizer)
+    built.clear()
+    kept = sft.load_sft_examples(args, tokenizer, context=300, log=said.append)
+    lengths = [len(tokenizer(e["prompt"], add_special_tokens=False).input_ids) +
+               len(tokenizer(e["response"], add_special_tokens=False).input_ids) for e in every]
+    assert kept == [e for e, n in zip(every, lengths) if n <= 300] and 0 < len(kept) < len(every)
+    assert said == [f"[sft] dropped {len(every) - len(kept)} of {len(every)} examples whose prompt and response do "
+                    f"not fit the model's context (300 tokens)"]
+    prompt_lengths = {e["prompt"]: len(tokenizer(e["prompt"], add_special_tokens=False).input_ids) for e in every}
+    assert all(prompt_lengths[next(e["prompt"] for e in every if q in e["prompt"])] <= 300 for q in built)
+    assert len(built) < len(every)  # questions that alone overflow got no solution
+    with pytest.raises(UserError, match="no training example fits the model's context"):
+        sft.load_sft_examples(args, tokenizer, context=20)

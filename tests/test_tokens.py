@@ -126,6 +126,7 @@ def test_prompts_shared_across_microbatches_give_the_same_log_probs_and_gradient
 
     def run(use_shared: bool, bf16: bool):
         model = build_tiny_model(tokenizer, seed=4)
+        tokens.check_output_head(model)  # once per model (the scripts do it when they load one): not counted below
         shared = SharedPrompts([prompts for prompts, _ in parts]) if use_shared else None
         outs, calls, held = [], [], []
         hook = model.get_decoder().register_forward_hook(lambda module, args, kwargs, out: calls.append(1),
@@ -164,6 +165,7 @@ def test_prompts_shared_across_microbatches_give_the_same_log_probs_and_gradient
 
 
 def _decoder_calls(model) -> list:
+    tokens.check_output_head(model)  # once per model (the scripts do it when they load one): not counted
     calls = []
     model.get_decoder().register_forward_hook(lambda module, args, out: calls.append(1))
     return calls
@@ -277,10 +279,32 @@ def test_the_shared_prompt_path_applies_the_models_own_post_head_step(family):
     check_output_head(model)  # passes: the post-head step is reproduced
 
 
+@pytest.mark.parametrize("family", ["hyperclovax", "falcon_h1"])
+def test_sft_log_probs_are_the_models_own_for_families_that_scale_logits_otherwise(family):
+    """HyperCLOVAX multiplies its logits by `logits_scaling` (Granite divides), FalconH1 by `lm_head_multiplier`:
+    SFT's and expert iteration's fused head (get_response_log_probs) once treated both as Granite's divisor or
+    ignored them, 0.8-0.93 nats off the model's own log-probs."""
+    from transformers import AutoModelForCausalLM, FalconH1Config, HyperCLOVAXConfig
+    from alignment.tokens import get_response_log_probs
+    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=128)
+    config = {"hyperclovax": lambda: HyperCLOVAXConfig(**sizes, logits_scaling=3.0),
+              "falcon_h1": lambda: FalconH1Config(**sizes, lm_head_multiplier=3.0, mamba_d_ssm=32, mamba_n_heads=4,
+                                                  mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=8)}[family]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
+    labels = torch.tensor([[6, 7, 8, 9, 10], [11, 12, 13, 14, 15]])
+    with torch.no_grad():
+        own = torch.log_softmax(model(ids).logits.float(), -1).gather(-1, labels[..., None])[..., 0]
+        ours = get_response_log_probs(model, ids, labels)["log_probs"]
+    torch.testing.assert_close(ours, own, rtol=1e-4, atol=1e-5)
+
+
 def test_a_model_whose_forward_changes_its_logits_unknowably_is_refused():
     from transformers import LlamaConfig, LlamaForCausalLM
     from alignment.errors import UserError
-    from alignment.tokens import check_output_head
+    from alignment.tokens import check_output_head, get_response_log_probs
 
     class Doubled(LlamaForCausalLM):  # a post-head step output_logits does not know
         def forward(self, *args, **kwargs):
@@ -292,3 +316,5 @@ def test_a_model_whose_forward_changes_its_logits_unknowably_is_refused():
                                 num_attention_heads=2, num_key_value_heads=1)).eval()
     with pytest.raises(UserError, match="changes its logits after the output head"):
         check_output_head(model)
+    with pytest.raises(UserError, match="changes its logits after the output head"):  # SFT's and EI's path too
+        get_response_log_probs(model, torch.tensor([[5, 6, 7]]), torch.tensor([[6, 7, 8]]))

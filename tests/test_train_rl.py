@@ -9,7 +9,7 @@ import torch
 
 from alignment import experience, models, train_rl
 from alignment.args import DEFAULT_RL_TASK, EvalArgs, RLArgs, SFTArgs, parse
-from alignment.errors import UserError
+from alignment.errors import UserError, cli
 from tests.conftest import parity_reward
 
 
@@ -295,7 +295,7 @@ def test_a_step_whose_filters_keep_no_group_says_it_made_no_update(tiny_model_di
     [m] = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert m["kept_traces"] == 0 and m["sampling_rounds"] == 2 and "loss" not in m and "grad_norm" not in m
     out = capsys.readouterr().out
-    assert "no update: no group kept in 2 sampling round(s)" in out and "nan" not in out
+    assert "no policy update: no group kept in 2 sampling round(s)" in out and "nan" not in out
 
 
 def test_trace_length_normaliser_and_logged_means_count_only_trained_tokens(tiny_model_dir, tmp_path, parity, monkeypatch):
@@ -432,21 +432,31 @@ def test_two_steps_with_each_estimator(tiny_model_dir, tmp_path, parity, overrid
         assert all(m["kl_in_reward"] >= -1e-6 or overrides["kl_estimator"] == "k1" for m in steps)
 
 
-def test_critic_warmup_trains_only_the_critic_and_resume_brings_the_critic_back(tiny_model_dir, tmp_path, parity):
+def test_critic_warmup_trains_only_the_critic_and_resume_brings_the_critic_back(tiny_model_dir, tmp_path, parity,
+                                                                               capsys):
     args = dict(advantage_estimator="gae", critic_warmup_steps=1, critic_learning_rate=1e-3)
-    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, **args))
-    [step1] = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2, **args))
+    step1, step2 = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert "grad_norm" not in step1 and step1["critic_grad_norm"] > 0  # warm-up: the policy did not move
-    policy = models.load_model(str(tmp_path / "run" / "checkpoint"))
-    start = models.load_model(tiny_model_dir)
-    assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), start.parameters()))
+    assert step2["grad_norm"] > 0 and step2["critic_grad_norm"] > 0
+    out = capsys.readouterr().out
+    assert "no policy update: critic warm-up, step 1 of 1 (--critic_warmup_steps) | value loss" in out
+    assert "no group kept" not in out  # the step's true reason, not the filters' (it once said so)
     critic = models.load_critic(str(tmp_path / "run" / "checkpoint" / "critic"))
     assert critic.score.weight.abs().sum() > 0  # the trained head was saved and comes back
     state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["critic_optimizer"]["state"]
-    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2, resume=str(tmp_path / "run"), **args))
-    step2 = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]
-    assert step2["step"] == 2 and step2["grad_norm"] > 0 and step2["value_mean"] != 0.0
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=3, resume=str(tmp_path / "run"), **args))
+    step3 = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert step3["step"] == 3 and step3["grad_norm"] > 0 and step3["value_mean"] != 0.0
+
+
+def test_a_critic_warmup_as_long_as_the_run_is_refused(capsys):
+    for warmup in ("5", "6"):  # the policy would never train
+        with pytest.raises(SystemExit):
+            parse(RLArgs, ["--advantage_estimator", "gae", "--critic_warmup_steps", warmup, "--n_steps", "5"])
+        assert "the policy would never train" in capsys.readouterr().err
+    parse(RLArgs, ["--advantage_estimator", "gae", "--critic_warmup_steps", "4", "--n_steps", "5"])
 
 
 def test_estimator_flag_checks(capsys):
@@ -644,5 +654,62 @@ def test_a_group_spanning_microbatches_runs_its_prompt_once_and_takes_the_same_s
     for a, b in zip(plain_steps, shared_steps):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    # AdamW's first steps move each weight by about +-lr (1e-3 here) whatever the gradient's size, so a wrong
+    # shared-prompt gradient moves many weights apart by ~1e-3; a weight whose gradient is near 0 turns fp32
+    # rounding into up to ~1e-5 (one weight of 8,192 at 1.4e-5 on an AVX2 CPU, 2026-11-28): a tenth of a step
     for (name, p), q in zip(plain_model.named_parameters(), shared_model.parameters()):
-        torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(q, p, atol=1e-4, rtol=1e-5, msg=name)
+
+
+def _saved_step(run_dir) -> int:
+    return torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_last_checkpoint_stays(tiny_model_dir, tmp_path, monkeypatch,
+                                                                             capsys):
+    import errno
+    real_save, saves = models.torch.save, []
+
+    def filling(obj, path, *rest, **kwargs):
+        if saves:  # the second checkpoint: the disk fills while its optimizer state (DCP) is written
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, path, *rest, **kwargs)
+        if str(path).endswith("trainer_state.pt"):  # the first checkpoint's last file
+            saves.append(path)
+    monkeypatch.setattr(models.torch, "save", filling)
+    with pytest.raises(SystemExit) as stop:
+        cli(train_rl.main, tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2))
+    err = capsys.readouterr().err
+    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert stop.value.code == 1 and "Traceback" not in err and line.startswith("error: no space left on the device")
+    assert _saved_step(tmp_path / "run") == 1 and not (tmp_path / "run" / "checkpoint.tmp").exists()
+
+
+def test_a_run_folder_deleted_mid_run_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import shutil
+    from alignment.run import Run
+    real_log = Run.log
+
+    def log_then_delete(self, record):
+        real_log(self, record)
+        shutil.rmtree(self.dir)  # someone removes the folder while the run writes it
+    monkeypatch.setattr(Run, "log", log_then_delete)
+    with pytest.raises(SystemExit) as stop:
+        cli(train_rl.main, tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2))
+    err = capsys.readouterr().err
+    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert stop.value.code == 1 and "Traceback" not in err and "no longer exists" in line, err
+
+
+def test_a_file_name_too_long_for_the_file_system_is_one_line(tiny_model_dir, tmp_path, capsys):
+    from alignment import evaluate
+    from alignment.args import EvalArgs
+    long_name = tmp_path / ("x" * 300)
+    with pytest.raises(SystemExit):
+        cli(train_rl.main, tiny_args(tiny_model_dir, long_name, n_steps=1))
+    with pytest.raises(SystemExit):
+        cli(evaluate.main, EvalArgs(model=tiny_model_dir, dataset="rg:chain_sum", limit=2, output_dir=str(long_name)))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 2 and "Traceback" not in err, err
+    assert all("longer than the file system allows" in line for line in lines), lines

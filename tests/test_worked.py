@@ -170,3 +170,15 @@ def test_the_demo_driver_runs_every_stage_and_resumes(tiny_model_dir, tmp_path):
     assert "- Calculate " in samples and "A conversation" not in samples  # each sample names its question
     again = subprocess.run(command, capture_output=True, text=True, timeout=900)  # every stage kept
     assert again.returncode == 0 and again.stdout.count("done, kept") == 8, again.stdout
+    # another recipe in the same folder: refused before any stage runs (it once reused this SFT for its RL)
+    other = subprocess.run(command + ["--worked_style", "rewrite"], capture_output=True, text=True, timeout=900)
+    assert other.returncode != 0 and "sft-seed0 result made with other flags" in other.stderr, other.stderr
+    assert "uv run python" not in other.stdout
+    # with --overwrite each stage is redone through its script's own rules: files no run wrote are never deleted
+    (tmp_path / "demo" / "rl-seed0" / "notes.txt").write_text("mine")
+    redo = subprocess.run(command + ["--worked_style", "rewrite", "--overwrite"], capture_output=True, text=True,
+                          timeout=900)
+    assert redo.returncode != 0 and "rl-seed0: uv run python" in redo.stdout and "--overwrite" in redo.stdout
+    assert "holds files no run writes (notes.txt)" in (tmp_path / "demo" / "rl-seed0.log").read_text()
+    assert (tmp_path / "demo" / "rl-seed0" / "notes.txt").read_text() == "mine"
+    assert "rewrite" in json.loads((tmp_path / "demo" / "stages.json").read_text())["sft-seed0"]["command"]
