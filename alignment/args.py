@@ -228,6 +228,8 @@ def to_dict(args) -> dict:
 # Advantage estimators that give each token its own advantage (one row per trace; whitened over the batch).
 MAX_GROWTH = 32  # adaptive groups: a pool holds at most this many times --group_size (31 growth rounds a step)
 MAX_RG_SIZE = 100_000  # reasoning-gym problems generated for one dataset (10M: minutes and 2.5 GB, silently)
+MAX_DELETHINK_TURNS = 64  # chunks per delethink trace: the paper's longest setting has 23 (96K tokens of 8K chunks);
+# 1-token chunks x 1,000 turns once kept evaluate on one question for minutes
 MAX_SAMPLING_ROUNDS = 32  # dynamic sampling: a step samples at most this many batches of questions
 TOKEN_LEVEL_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 PROMPTS = ("r1_zero", "question_only", "tir")  # alignment/prompts/*.prompt, each with its reward (evaluate.py)
@@ -278,13 +280,29 @@ class RolloutArgs:
             raise ValueError(f"delethink needs keep_head <= carryover < chunk_size, here {self.delethink_keep_head} <= "
                              f"{carryover} < {self.delethink_chunk_size}; lower --delethink_keep_head or "
                              f"--delethink_carryover, or raise --delethink_chunk_size.")
+        if self.rollout_mode == "delethink" and self.delethink_max_turns > MAX_DELETHINK_TURNS:
+            raise ValueError(f"--delethink_max_turns {self.delethink_max_turns} is above {MAX_DELETHINK_TURNS}: each "
+                             f"chunk re-reads the prompt and the carryover, so the thinking budget should grow with "
+                             f"--delethink_chunk_size, not with the number of chunks.")
+
+    def delethink_budget(self) -> str:
+        """The thinking budget of a delethink trace, as the start line and the refusals say it."""
+        chunk = self.delethink_chunk_size
+        carryover = self.delethink_carryover if self.delethink_carryover is not None else chunk // 2
+        total = chunk + (self.delethink_max_turns - 1) * (chunk - carryover)
+        return (f"up to {total} thinking tokens ({self.delethink_max_turns} chunks: {chunk} tokens, then "
+                f"{chunk - carryover} after a carryover of {carryover})")
 
     def moot(self) -> dict[str, str]:
         """Flags that do nothing with the other values, and why: given on the command line, they are refused."""
         modes = {"delethink": [f.name for f in fields(RolloutArgs) if f.name.startswith("delethink_")],
                  "tir": ["max_tool_calls", "tool_timeout", "mask_observations", "tir_reward_scheme", "exec_penalty"]}
-        return {name: f"outside --rollout_mode {mode} (this run's is {self.rollout_mode})"
+        moot = {name: f"outside --rollout_mode {mode} (this run's is {self.rollout_mode})"
                 for mode, names in modes.items() if self.rollout_mode != mode for name in names}
+        if self.rollout_mode == "delethink":  # the chunk sizes bound a trace, not a length flag
+            moot |= {name: f"in --rollout_mode delethink, whose chunks bound a trace: {self.delethink_budget()}"
+                     for name in ("max_tokens", "sampling_max_tokens", "eval_max_tokens") if hasattr(self, name)}
+        return moot
 
 
 @dataclass
@@ -457,7 +475,8 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
         if self.advantage_estimator not in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
             gae["gamma"] = f"outside gae and reinforce_pp (this run's --advantage_estimator is {self.advantage_estimator})"
         kl = {name: "with --kl_coef 0 (no KL term)" for name in ("kl_estimator", "kl_in_reward")} if not self.kl_coef else {}
-        return {**super().moot(), **gae, **kl, **no_periodic_eval(self)}
+        generated = {} if self.dataset.startswith("rg:") else {"rg_size": f"with --dataset {self.dataset} (not an rg: task)"}
+        return {**super().moot(), **gae, **kl, **no_periodic_eval(self), **generated}
 
     def check(self):
         check_values(self)
@@ -667,7 +686,8 @@ class EIArgs(RunArgs, SamplerArgs):
         return self.questions_per_step * self.group_size
 
     def moot(self) -> dict[str, str]:
-        return no_periodic_eval(self)
+        generated = {} if self.dataset.startswith("rg:") else {"rg_size": f"with --dataset {self.dataset} (not an rg: task)"}
+        return {**no_periodic_eval(self), **generated}
 
     def check(self):
         if self.prompt not in ("r1_zero", "question_only"):

@@ -169,7 +169,9 @@ def main(args: EvalArgs) -> dict:
     why = " (the CPU default; --limit 0 evaluates all)" if args.limit is None and limit else ""
     decoding = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, top_p {args.top_p}"
     print(f"[evaluate] {args.model} on {args.dataset} {args.split}: {len(subset)} of {len(rows)} problems{why}, "
-          f"{args.prompt} prompt, {decoding}, n={args.n_samples}, max {args.max_tokens} tokens, {backend} on {device}, "
+          f"{args.prompt} prompt, {decoding}, n={args.n_samples}, "
+          f"{args.delethink_budget() if args.rollout_mode == 'delethink' else f'max {args.max_tokens} tokens'}, "
+          f"{backend} on {device}, "
           f"precision {models.resolve_precision(args.precision, device)} ({args.precision})")
     lock_folder(out)  # held until the process ends: a second evaluate into this folder is refused meanwhile
     _refuse_used(out)  # and after it, by the results it left

@@ -168,8 +168,8 @@ def main(args: RLArgs) -> dict:
         source.wait()  # the sampler and the grader are the loop's again
         push(m.eval_sampler)
         if run.main:
-            run.say(f"eval  {step}/{args.n_steps} | {len(eval_rows)} {eval_name} questions, greedy, up to "
-                    f"{args.eval_max_tokens} tokens each ...")
+            budget = args.delethink_budget() if args.rollout_mode == "delethink" else f"up to {args.eval_max_tokens} tokens"
+            run.say(f"eval  {step}/{args.n_steps} | {len(eval_rows)} {eval_name} questions, greedy, {budget} each ...")
             m.policy.eval()
             with m.autocast:
                 summary, _ = evaluate(m.eval_sampler, m.tokenizer, eval_rows, args.prompt,

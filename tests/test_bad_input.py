@@ -409,6 +409,14 @@ def test_answers_longer_than_the_models_context_are_refused_before_weights_load(
     (SFTArgs, ["--train_file", "x.jsonl", "--dataset", "rg:chain_sum"], "--dataset rg:chain_sum has no effect with --train_file"),
     (SFTArgs, ["--rg_size", "100"], "--rg_size 100 has no effect with --dataset gsm8k"),
     (SFTArgs, ["--worked_style", "rewrite"], "--worked_style rewrite has no effect with --dataset gsm8k"),
+    # delethink's chunks bound a trace: a length flag there was silently ignored
+    (RLArgs, ["--rollout_mode", "delethink", "--sampling_max_tokens", "64"],
+     "--sampling_max_tokens 64 has no effect in --rollout_mode delethink, whose chunks bound a trace: up to 24576 "
+     "thinking tokens (5 chunks: 8192 tokens, then 4096 after a carryover of 4096)"),
+    (RLArgs, ["--rollout_mode", "delethink", "--eval_max_tokens", "64"], "--eval_max_tokens 64 has no effect in --rollout_mode delethink"),
+    (EvalArgs, ["--rollout_mode", "delethink", "--max_tokens", "64"], "--max_tokens 64 has no effect in --rollout_mode delethink"),
+    (RLArgs, ["--dataset", "gsm8k", "--rg_size", "100"], "--rg_size 100 has no effect with --dataset gsm8k (not an rg: task)"),
+    (EIArgs, ["--dataset", "gsm8k", "--rg_size", "100"], "--rg_size 100 has no effect with --dataset gsm8k (not an rg: task)"),
 ])
 def test_a_flag_that_another_flag_makes_moot_is_refused_not_dropped(cls, argv, moot, capsys):
     with pytest.raises(SystemExit):
@@ -443,3 +451,14 @@ def test_flags_that_do_act_are_still_taken(capsys):
         capsys, SFTArgs, ["--dataset", "rg:chain_sum:min_terms=1,max_terms=1"])
     assert parse(SFTArgs, ["--dataset", "rg:chain_sum:min_terms=2,max_terms=3"]).dataset.endswith("max_terms=3")
     assert parse(RLArgs, ["--dataset", "rg:gsm_symbolic"]).dataset == "rg:gsm_symbolic"  # RL needs no worked solution
+
+
+def test_delethink_bounds_its_chunks_and_says_its_budget(capsys):
+    """1-token chunks x 1,000 turns kept evaluate on one question for minutes, and its start line said "max 256
+    tokens", a flag delethink ignores."""
+    argv = ["--rollout_mode", "delethink", "--delethink_chunk_size", "2", "--delethink_carryover", "1",
+            "--delethink_keep_head", "0"]
+    assert "--delethink_max_turns 1000 is above 64" in one_error_line(capsys, EvalArgs, argv + ["--delethink_max_turns", "1000"])
+    args = parse(EvalArgs, ["--rollout_mode", "delethink", "--delethink_chunk_size", "32", "--delethink_carryover", "16",
+                            "--delethink_keep_head", "0", "--delethink_max_turns", "4"])
+    assert args.delethink_budget() == "up to 80 thinking tokens (4 chunks: 32 tokens, then 16 after a carryover of 16)"
