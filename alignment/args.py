@@ -53,10 +53,29 @@ GROUPS = {
 }
 
 
+def _negative_values_joined(argv: list[str]) -> list[str]:
+    """`--learning_rate -1e-5` -> `--learning_rate=-1e-5`: argparse takes `-1e-5` for a flag ("expected one
+    argument"); joined, the value reaches the range checks, which say what is wrong with it."""
+    joined = []
+    for word in argv:
+        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and _is_negative_number(word):
+            joined[-1] = f"{joined[-1]}={word}"
+        else:
+            joined.append(word)
+    return joined
+
+
+def _is_negative_number(word: str) -> bool:
+    try:
+        return word.startswith("-") and math.isfinite(float(word)) or word in ("-inf", "-nan")
+    except ValueError:
+        return False
+
+
 def parse(cls, argv=None):
     """Parse argv into `cls`, check every value's range and choices and the cross-field rules, and end a bad
     command line with one sentence (`error: ...`, exit status 2) before any work starts."""
-    argv = [_underscored(word) for word in (sys.argv[1:] if argv is None else argv)]
+    argv = _negative_values_joined([_underscored(word) for word in (sys.argv[1:] if argv is None else argv)])
     namespace, unknown = build_parser(cls).parse_known_args(argv)
     try:
         if unknown:
@@ -85,6 +104,7 @@ def parse(cls, argv=None):
         args.check()  # check_values first, then the cross-field rules
     except ValueError as e:
         _fail(str(e))
+    args.given_flags = given  # (not a field) a resume names the flags the user changed before what they implied
     return args
 
 

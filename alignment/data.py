@@ -85,12 +85,13 @@ def _folder(path: Path, remedy: str = DATA_DIR_AGAIN) -> Path:
     return path
 
 
-def download_gsm8k(data_dir: str | Path | None = None, base_url: str | None = None) -> Path:
-    """Fetch GSM8K train/test from the official repository into <data_dir>/gsm8k/."""
+def download_gsm8k(data_dir: str | Path | None = None, base_url: str | None = None,
+                   splits: tuple[str, ...] = ("train", "test")) -> Path:
+    """Fetch GSM8K's `splits` from the official repository into <data_dir>/gsm8k/ (those not there yet)."""
     out = _folder(resolve_data_dir(data_dir) / "gsm8k")
     out.mkdir(parents=True, exist_ok=True)
     base_url = base_url or os.environ.get("ALIGNMENT_GSM8K_URL", GSM8K_URL)
-    for split in ("train", "test"):
+    for split in splits:
         target = out / f"{split}.jsonl"
         if target.exists():
             continue
@@ -111,7 +112,7 @@ def download_gsm8k(data_dir: str | Path | None = None, base_url: str | None = No
 def load_gsm8k(split: str = "test", data_dir: str | None = None) -> list[dict]:
     path = resolve_data_dir(data_dir) / "gsm8k" / f"{split}.jsonl"
     if not path.exists():
-        download_gsm8k(data_dir)
+        download_gsm8k(data_dir, splits=(split,))  # only what is asked for: evaluate needs no train split
     rows = read_jsonl(path, ("question", "answer"), remedy=GSM8K_AGAIN)
     return [{"question": r["question"], "answer": extract_gsm8k_answer(r["answer"]), "solution": r["answer"]}
             for r in rows]

@@ -136,6 +136,9 @@ def resolve_model(name: str) -> str:
             raise MissingFileError(f"{name} is a run folder without a checkpoint yet (its config.json holds the run's "
                                     f"flags); continue the run with --resume {name}, or pass a folder with a checkpoint.")
         return name
+    if os.path.exists(name):
+        raise MissingFileError(f"--model {name} is a file; pass a model folder (HF format, with config.json), a run "
+                                f"folder saved by alignment.sft or train_rl, or a hub id.")
     if name.startswith((".", "/")) or name.startswith("checkpoints"):
         raise MissingFileError(f"model folder {name} does not exist; train it first (e.g. "
                                 f"`uv run -m alignment.sft`) or pass --model smollm2-135m.")

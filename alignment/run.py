@@ -25,8 +25,10 @@ import json
 import math
 import pickle
 import random
+import re
 import shutil
 import fcntl
+import importlib.util
 import os
 import signal
 import threading
@@ -51,6 +53,7 @@ class Run:
 
     def __init__(self, args, default_dir: str, start_model: str | None, resumable=()):
         self.args, self.main = args, distributed.is_main()
+        _check_logger(args.logger)
         self.script = next((name for name, cls in SCRIPTS.items() if cls is type(args)), type(args).__name__)
         # rank 0 names the folder (a default name holds the time); every rank then checks the same folder
         # before rank 0 changes anything in it
@@ -94,7 +97,7 @@ class Run:
                         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
             writable_folder(self.dir)  # an output path that cannot be written fails now, not after the work
             for name in ("metrics.jsonl", "rollouts.jsonl"):  # a crash after the checkpoint wrote these again
-                _truncate_jsonl(self.dir / name, self.start_step)
+                _truncate_jsonl(self.dir / name, self.start_step, self.say)
             config = {**to_dict(args), "output_dir": str(self.dir), "start_model": self.start_model,
                       "script": self.script}
             (self.dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
@@ -225,11 +228,15 @@ class Run:
             raise MissingFileError(f"{self.checkpoint} has no {STATE_FILE}{why}")
         saved = json.loads((self.checkpoint / "run_config.json").read_text())
         defaults = {f.name: f.default for f in dataclasses.fields(self.args)}  # a flag added since the run was saved
-        changed = sorted(f"--{k} {v} (the run's: {saved.get(k, defaults[k])})" for k, v in to_dict(self.args).items()
-                         if k not in resumable and saved.get(k, defaults[k]) != v)
+        changed = {k: f"--{k} {v} (the run's: {saved.get(k, defaults[k])})" for k, v in to_dict(self.args).items()
+                   if k not in resumable and saved.get(k, defaults[k]) != v}
+        given = getattr(self.args, "given_flags", set(changed))  # what the user typed; the rest followed from it
+        typed, implied = sorted(changed[k] for k in changed if k in given), sorted(changed[k] for k in changed
+                                                                                    if k not in given)
         if changed:
-            raise UserError(f"resume with the flags of the original run; these differ: {', '.join(changed)} "
-                            f"(see {self.checkpoint / 'run_config.json'}).")
+            raise UserError(f"resume with the flags of the original run; these differ: {', '.join(typed or implied)}"
+                            + (f" (and, implied by them, {', '.join(implied)})" if typed and implied else "")
+                            + f" (see {self.checkpoint / 'run_config.json'}).")
         try:
             return torch.load(self.checkpoint / STATE_FILE, weights_only=False)
         except (EOFError, RuntimeError, pickle.UnpicklingError) as e:
@@ -310,15 +317,22 @@ class _NullLogger:
         pass
 
 
+def _check_logger(kind: str):
+    """Before the run folder is touched: a logger whose package is missing is one line naming the install."""
+    if kind in ("tensorboard", "wandb") and importlib.util.find_spec(kind) is None:
+        raise UserError(f"--logger {kind} needs the {kind} package, which is not installed: `uv pip install {kind}`, "
+                        f"or leave --logger out (metrics.jsonl is always written).")
+
+
 def _make_logger(kind: str, run_dir: Path, config: dict):
     logger = _NullLogger()
     if kind == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter  # needs `uv pip install tensorboard`
+        from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(run_dir / "tensorboard")
         logger.log = lambda metrics, step: [writer.add_scalar(k, v, step) for k, v in metrics.items()
                                             if isinstance(v, (int, float))]
     elif kind == "wandb":
-        import wandb  # needs `uv pip install wandb`
+        import wandb
         run = wandb.init(project="alignment", config=config, dir=str(run_dir))
         logger.log = lambda metrics, step: run.log(metrics, step=step)
     return logger
@@ -348,7 +362,17 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def _truncate_jsonl(path: Path, step: int):
-    """Keep the records of steps up to `step` (none for a new run)."""
-    if path.exists():
-        path.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(path) if r["step"] <= step))
+def _truncate_jsonl(path: Path, step: int, say=print):
+    """Keep the records of steps up to `step` (none for a new run). A last line cut off by a kill is dropped
+    (read_jsonl), and when it held a step the checkpoint has, that step's record is lost: say so, since the
+    steps in the file then have a gap."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    records = read_jsonl(path)
+    cut = re.match(r'\{"step": (\d+)', lines[-1]) if lines and len(records) < len(lines) else None
+    if cut and int(cut.group(1)) <= step:
+        say(f"[run] warning: the last line of {path} was cut off (the run was killed while writing it): the record "
+            f"of step {cut.group(1)} is lost, so the file has no line for that step (the checkpoint, at step {step}, "
+            f"is whole).")
+    path.write_text("".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))

@@ -462,3 +462,28 @@ def test_delethink_bounds_its_chunks_and_says_its_budget(capsys):
     args = parse(EvalArgs, ["--rollout_mode", "delethink", "--delethink_chunk_size", "32", "--delethink_carryover", "16",
                             "--delethink_keep_head", "0", "--delethink_max_turns", "4"])
     assert args.delethink_budget() == "up to 80 thinking tokens (4 chunks: 32 tokens, then 16 after a carryover of 16)"
+
+
+def test_a_negative_number_reaches_the_range_check(capsys):
+    """argparse took `-1e-5` for a flag and said "expected one argument"."""
+    assert "--learning_rate must be greater than 0, not -1e-05" in one_error_line(capsys, RLArgs, ["--learning_rate", "-1e-5"])
+    assert parse(RLArgs, ["--learning_rate", "1e-5"]).learning_rate == 1e-5
+
+
+@pytest.mark.parametrize("logger", ["wandb", "tensorboard"])
+def test_a_logger_whose_package_is_missing_is_one_line_before_the_folder_is_touched(logger, tiny_model_dir, tmp_path):
+    import importlib.util
+    from alignment import train_rl
+    if importlib.util.find_spec(logger) is not None:
+        pytest.skip(f"{logger} is installed here")
+    args = parse(RLArgs, ["--model", tiny_model_dir, "--logger", logger, "--output_dir", str(tmp_path / "run")])
+    with pytest.raises(UserError, match=f"--logger {logger} needs the {logger} package.*`uv pip install {logger}`"):
+        train_rl.main(args)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_file_given_as_the_model_is_called_a_file(tmp_path):
+    from alignment import models
+    (tmp_path / "weights.bin").write_text("")
+    with pytest.raises(UserError, match="is a file; pass a model folder"):
+        models.resolve_model(str(tmp_path / "weights.bin"))

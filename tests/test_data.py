@@ -47,7 +47,7 @@ def test_missing_files_say_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="aime24 test.jsonl"):
         data.load_dataset("aime24", data_dir=str(tmp_path))
     monkeypatch.setenv("ALIGNMENT_GSM8K_URL", "http://127.0.0.1:9/nothing")  # nothing listens on port 9
-    with pytest.raises(FileNotFoundError, match="could not download .* copy GSM8K"):
+    with pytest.raises(FileNotFoundError, match="could not download .*/test.jsonl .* copy GSM8K's test.jsonl"):
         data.load_gsm8k("test", str(tmp_path))
     with pytest.raises(ValueError, match="unknown dataset"):
         data.load_dataset("mmlu", data_dir=str(tmp_path))
@@ -74,7 +74,8 @@ def test_download_on_first_use_from_a_local_server(gsm8k_server, tmp_path, monke
     monkeypatch.setenv("ALIGNMENT_GSM8K_URL", gsm8k_server)
     rows = data.load_gsm8k("test", str(tmp_path / "data"))  # files missing: fetched on first use
     assert [r["answer"] for r in rows] == ["0", "1", "2"] and rows[0]["question"] == "test q0"
-    assert (tmp_path / "data" / "gsm8k" / "train.jsonl").exists()
+    # only the split asked for: a new --data_dir without a network once asked evaluate for a train split
+    assert not (tmp_path / "data" / "gsm8k" / "train.jsonl").exists()
     assert not list((tmp_path / "data" / "gsm8k").glob("*.tmp"))
 
 

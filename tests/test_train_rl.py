@@ -102,6 +102,11 @@ def test_resume_refuses_changed_flags(tiny_model_dir, tmp_path, parity):
     with pytest.raises(ValueError, match="these differ: --learning_rate"):
         train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2, learning_rate=0.5,
                                 resume=str(tmp_path / "run")))
+    # the flag the user typed comes first; what it implied is named as such (it once led with the latter)
+    args = parse(RLArgs, ["--resume", str(tmp_path / "run"), "--n_steps", "2", "--loss_type", "no_baseline"])
+    with pytest.raises(ValueError, match=r"these differ: --loss_type no_baseline \(the run's: grpo_clip\) \(and, "
+                                         r"implied by them, --advantage_estimator none \(the run's: grpo\)\)"):
+        train_rl.main(args)
 
 
 def test_questions_at_is_a_seeded_pass_over_the_data():
@@ -713,3 +718,14 @@ def test_a_file_name_too_long_for_the_file_system_is_one_line(tiny_model_dir, tm
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 2 and "Traceback" not in err, err
     assert all("longer than the file system allows" in line for line in lines), lines
+
+
+def test_a_resume_says_when_a_cut_off_line_leaves_a_gap_in_the_steps(tiny_model_dir, tmp_path, parity, capsys):
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    text = metrics.read_text()
+    metrics.write_text(text[:len(text) - len(text.splitlines()[-1]) // 2 - 1])  # step 2's line, cut mid-write
+    capsys.readouterr()
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=3, resume=str(tmp_path / "run")))
+    assert "the record of step 2 is lost, so the file has no line for that step" in capsys.readouterr().out
+    assert [m["step"] for m in read_jsonl(metrics)] == [1, 3]
