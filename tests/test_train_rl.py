@@ -210,6 +210,7 @@ def test_trained_models_keep_fp32_master_weights_on_gpu(monkeypatch):
         assert models.train_precision("cuda:1", bf16_weights=True)[0] == torch.bfloat16
         loaded = []
         monkeypatch.setattr(models, "load_model", lambda name, device, dtype=None, device_map=None: loaded.append(dtype))
+        monkeypatch.setattr(models, "check_output_head", lambda model: None)  # no model was loaded to check
         models.load_policy_model("any", ["cuda:0"])  # the policy's default is the training dtype, not bf16
         assert loaded == [torch.float32]
     dtype, autocast = models.train_precision("cpu", "fp32", bf16_weights=True)
