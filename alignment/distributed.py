@@ -148,11 +148,11 @@ class GatherOnly:
             pass
 
 
-def grad_norm_and_clip(model, max_norm: float) -> float:
-    """torch's clip_grad_norm_, returning the global norm as a float also for sharded (DTensor) gradients."""
+def grad_norm_and_clip(model, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_, returning the global norm as a 0-d tensor (a plain one also for sharded, DTensor,
+    gradients), left on the device: reading it is a host sync, which the caller does once per step."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    return float(norm.item())
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 @contextmanager

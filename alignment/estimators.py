@@ -244,5 +244,5 @@ def compute_rollout_is_weights(old_log_probs: torch.Tensor, sampler_log_probs: t
         weights, cut = torch.ones_like(log_ratio), torch.zeros_like(mask)
     weights = torch.where(mask, weights, zero)
     tokens = mask.sum().clamp(min=1)
-    return weights, {"rollout_is_weight_mean": (weights.sum() / tokens).item(),
-                     "rollout_is_clipped_fraction": ((cut & mask).sum() / tokens).item()}
+    return weights, {"rollout_is_weight_mean": weights.sum() / tokens,  # 0-d tensors: read once per step
+                     "rollout_is_clipped_fraction": (cut & mask).sum() / tokens}

@@ -310,9 +310,10 @@ def _accumulation_weights(mode, mask, gradient_accumulation_steps, max_response_
                         max_response_length=max_response_length, trace_lengths=trace_lengths, num_traces=num_traces)
 
 
-def _mean_over_mask(tensor: torch.Tensor, mask: torch.Tensor) -> float:
-    """For logging: masked mean that reads 0 on an empty mask instead of NaN."""
-    return (_masked_sum(tensor, mask) / mask.sum().clamp(min=1)).item()
+def _mean_over_mask(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """For logging: masked mean that reads 0 on an empty mask instead of NaN; a 0-d tensor on the tensors' device
+    (read by the loop once per step, not here: a read is a host sync on a GPU)."""
+    return (_masked_sum(tensor, mask) / mask.sum().clamp(min=1)).detach()
 
 
 def sft_microbatch_train_step(policy_log_probs: torch.Tensor, response_mask: torch.Tensor,

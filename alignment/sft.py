@@ -272,7 +272,7 @@ def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], args, 
     optimizer.zero_grad(set_to_none=True)
     counts = accumulate_gradients(model, tokenizer, batch, args.microbatch_size,
                                   math.ceil(len(batch) / args.microbatch_size), device, autocast)
-    grad_norm = distributed.grad_norm_and_clip(model, args.max_grad_norm)
+    grad_norm = distributed.grad_norm_and_clip(model, args.max_grad_norm).item()
     nll, n_response_tokens, n_tokens = distributed.global_sums(counts)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()

@@ -22,7 +22,6 @@ detached instead of a second forward pass.
 """
 
 import contextlib
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -309,7 +308,8 @@ class _Means:
     def __init__(self):
         self.sums, self.weights = {}, {}
 
-    def add(self, key: str, value: float, weight: float = 1.0):
+    def add(self, key: str, value, weight=1.0):
+        """Floats, or 0-d tensors on the device (summed there: read once, in means(), not per microbatch)."""
         self.sums[key] = self.sums.get(key, 0.0) + value * weight
         self.weights[key] = self.weights.get(key, 0.0) + weight
 
@@ -318,7 +318,14 @@ class _Means:
             self.add(key, value)
 
     def means(self) -> dict:
-        """The means over every rank's microbatches (a collective under torchrun)."""
+        """The means over every rank's microbatches (a collective under torchrun). Device values are read here,
+        all at once: one host sync for the whole step."""
+        keys = [(part, key) for part in (self.sums, self.weights) for key in part if torch.is_tensor(part[key])]
+        if keys:
+            device = keys[0][0][keys[0][1]].device  # (the critic's values may sit on another device)
+            values = torch.stack([part[key].detach().float().to(device) for part, key in keys]).tolist()
+            for (part, key), value in zip(keys, values):
+                part[key] = value
         sums, weights = {}, {}
         for rank_sums, rank_weights in distributed.gather_objects((self.sums, self.weights)):
             for key in rank_sums:
@@ -333,6 +340,9 @@ def _update(args, m: Models, exp: Experience, groups: int, step: int, train: _Me
     warm-up. Returns the count of consecutive skipped (non-finite) steps."""
     learn = step >= args.critic_warmup_steps or m.critic is None
     row_trace = exp.row_trace.tolist()
+    if args.rollout_is != "none" and exp.sampler_log_probs[exp.mask.bool()].isnan().any():  # once, on the host
+        raise UserError(f"--rollout_is {args.rollout_is} needs the sampler's log-prob of every sampled token, and "
+                        f"these rollouts carry none; use --rollout_is none.")
     m.policy.train()
     for epoch in range(args.epochs_per_rollout_batch):
         # a fresh group order per epoch, so off-policy epochs do not repeat the same minibatches;
@@ -375,14 +385,15 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
             (rollout_log_probs(m.policy, [[0]], [[0]], one_forward=True)["log_probs"].sum() * 0).backward()
             continue
         mb = exp.microbatch(part, device)
-        tokens = mb.mask.sum().item()
+        # every number logged below stays on the device, weighted by its tokens: _Means reads them once a step
+        tokens = mb.mask.sum()
+        per_token = 1 / tokens.clamp(min=1)
         if m.critic is not None:  # PPO's value loss, token-mean over the train batch (clipped, eq. 9)
             values = rollout_values(m.critic, mb.prompts, mb.responses)
             value_loss, value_meta = compute_value_loss(values, mb.old_values, mb.returns, mb.mask, args.cliprange_value)
             (weighted_sum(value_loss, mb.mask, value_weights[part]) * args.value_loss_coef).backward()
-            train.add("value_loss", torch.where(mb.mask.bool(), value_loss.detach(), 0.0).sum().item() / max(tokens, 1),
-                      tokens)
-            train.add("value_clip_fraction", value_meta["clipped"].float().sum().item() / max(tokens, 1), tokens)
+            train.add("value_loss", torch.where(mb.mask.bool(), value_loss.detach(), 0.0).sum() * per_token, tokens)
+            train.add("value_clip_fraction", value_meta["clipped"].float().sum() * per_token, tokens)
         with torch.set_grad_enabled(learn):  # during the critic warm-up the policy's forward only logs
             out = rollout_log_probs(m.policy, mb.prompts, mb.responses, return_token_entropy=True, one_forward=sharded,
                                     temperature=args.sampling_temperature, entropy_grad=bool(args.entropy_coef),
@@ -395,19 +406,19 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
             loss, meta = policy_microbatch_train_step(log_probs, mb.mask, policy_weights[part], mb.advantages, old,
                                                       ref_log_probs=mb.ref_log_probs, rollout_is_weights=is_weights,
                                                       token_entropy=out["token_entropy"], **loss_options)
-            losses.append(loss.item())
+            losses.append(loss)
             for key in ("clip_fraction", "kl"):
                 if key in meta:
                     train.add(key, meta[key], tokens)
         if shared is not None:
             shared.done(mb.prompts)  # a prompt's last microbatch: its part of the gradient, sent through it
-        train.add("entropy", (out["token_entropy"].detach() * mb.mask).sum().item() / max(tokens, 1), tokens)
+        train.add("entropy", (out["token_entropy"].detach() * mb.mask).sum() * per_token, tokens)
         if epoch == 0 and args.sampling_top_p == 1:  # the old policy is the learner's view of the sampler;
             # with top_p < 1 the sampler's log-probs are of the renormalised nucleus: not comparable
-            seen = mb.mask.bool() & ~mb.sampler_log_probs.isnan()
-            if seen.any():
-                train.add("sampler_logprob_diff", (mb.sampler_log_probs - old)[seen].abs().mean().item(),
-                          seen.sum().item())
+            seen = mb.mask.bool() & ~mb.sampler_log_probs.isnan()  # (no token seen: weight 0, not logged)
+            seen_tokens = seen.sum()
+            difference = torch.where(seen, (mb.sampler_log_probs - old).abs(), 0.0).sum()  # where: NaN stays out
+            train.add("sampler_logprob_diff", difference / seen_tokens.clamp(min=1), seen_tokens)
     ok = True
     if m.critic is not None:
         ok = _clip_and_step(m.critic, m.critic_optimizer, args.max_grad_norm, train, "critic_grad_norm")
@@ -418,14 +429,11 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
     return ok
 
 
-def _rollout_correction(args, old: torch.Tensor, mb, train: _Means, tokens: float) -> torch.Tensor | None:
+def _rollout_correction(args, old: torch.Tensor, mb, train: _Means, tokens: torch.Tensor) -> torch.Tensor | None:
     """The rollout-correction weights of a microbatch (None with --rollout_is none), their metrics logged.
     The behaviour policy is the sampler, so its own log-prob of every sampled token is needed."""
     if args.rollout_is == "none":
         return None
-    if mb.sampler_log_probs[mb.mask.bool()].isnan().any():
-        raise UserError(f"--rollout_is {args.rollout_is} needs the sampler's log-prob of every sampled token, and "
-                        f"these rollouts carry none; use --rollout_is none.")
     weights, metrics = compute_rollout_is_weights(old, mb.sampler_log_probs, mb.mask, args.rollout_is,
                                                   args.rollout_is_level, args.rollout_is_threshold,
                                                   mb.sequence_log_ratio, mb.sequence_tokens)
@@ -437,9 +445,10 @@ def _rollout_correction(args, old: torch.Tensor, mb, train: _Means, tokens: floa
 def _clip_and_step(model, optimizer, max_grad_norm: float, train: _Means, name: str, losses=()) -> bool:
     """Clip the gradient norm and step, or skip the step (and drop the gradient) when anything is non-finite
     (on any rank: every rank makes the same choice)."""
-    grad_norm = distributed.grad_norm_and_clip(model, max_grad_norm)
-    if not distributed.global_min(math.isfinite(grad_norm) and all(math.isfinite(x) for x in losses)):
-        tqdm.write(f"[train_rl] warning: non-finite loss or gradient ({name} {grad_norm}); step skipped")
+    grad_norm = distributed.grad_norm_and_clip(model, max_grad_norm)  # (on the device)
+    numbers = torch.stack([grad_norm.float(), *(loss.float().to(grad_norm.device) for loss in losses)])
+    if not distributed.global_min(bool(torch.isfinite(numbers).all())):  # the optimizer step's one host read
+        tqdm.write(f"[train_rl] warning: non-finite loss or gradient ({name} {grad_norm.item()}); step skipped")
         optimizer.zero_grad(set_to_none=True)
         return False
     optimizer.step()

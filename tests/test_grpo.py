@@ -419,7 +419,7 @@ def test_grpo_step_default_is_the_reference_and_accumulates():
     per_token = torch.tensor([[-1.2, -0.5, -1.1], [1.5, 0.8, 1.1]])
     reference = masked_mean(per_token, mask, dim=1).mean() / 2  # ((-1.7 / 2) + (1.9 / 2)) / 2 / 2
     assert loss.item() == pytest.approx(reference.item()) == pytest.approx(0.025)
-    assert meta["clip_fraction"] == pytest.approx(2 / 4)  # tokens (0, 0) and (1, 1) are clipped
+    assert float(meta["clip_fraction"]) == pytest.approx(2 / 4)  # tokens (0, 0) and (1, 1) are clipped
     first = logp.grad.clone()
     assert first[0, 0] == 0 and first[0, 2] == 0 and first[0, 1] != 0  # clipped and masked: no grad
     grpo_microbatch_train_step(logp, mask, 2, "grpo_clip", None, adv, old, 0.2)
@@ -433,7 +433,7 @@ def test_grpo_step_kl_penalty():
     mask = torch.tensor([[1, 1]])
     kl0 = 0.5 + math.log(2) - 1
     loss, meta = grpo_microbatch_train_step(logp, mask, 1, "no_baseline", rewards, ref_log_probs=ref)
-    assert loss.item() == 0.0 and meta["kl"] == pytest.approx(kl0 / 2)
+    assert loss.item() == 0.0 and float(meta["kl"]) == pytest.approx(kl0 / 2)
     loss, meta = grpo_microbatch_train_step(logp, mask, 1, "no_baseline", rewards, kl_coef=0.1,
                                             ref_log_probs=ref)
     assert loss.item() == pytest.approx(0.1 * kl0 / 2)
@@ -692,11 +692,11 @@ def test_rollout_is_weights_equal_the_definition(mode, level):
     expected = rollout_is_loop(old, sampler, mask, mode, level, 1.5)
     torch.testing.assert_close(weights, expected, rtol=1e-5, atol=1e-6)
     assert torch.isfinite(weights).all() and not weights.requires_grad
-    assert metrics["rollout_is_weight_mean"] == pytest.approx(expected[mask.bool()].mean().item(), rel=1e-5)
+    assert float(metrics["rollout_is_weight_mean"]) == pytest.approx(expected[mask.bool()].mean().item(), rel=1e-5)
     untruncated = rollout_is_loop(old, sampler, mask, "truncate", level, 1e9)
     changed = {"none": torch.zeros_like(mask, dtype=torch.bool), "mask": (expected != 1.0) & mask.bool(),
                "truncate": (expected < untruncated) & mask.bool()}[mode]
-    assert metrics["rollout_is_clipped_fraction"] == pytest.approx(changed.sum().item() / mask.sum().item())
+    assert float(metrics["rollout_is_clipped_fraction"]) == pytest.approx(changed.sum().item() / mask.sum().item())
     if mode != "none":
         assert 0 < metrics["rollout_is_clipped_fraction"] < 1  # the case has tokens on both sides
 

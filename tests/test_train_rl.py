@@ -321,7 +321,7 @@ def test_trace_length_normaliser_and_logged_means_count_only_trained_tokens(tiny
     for call in step.calls:  # one row per trace: the trace's length is its row's sampled tokens; 8 traces
         mask, (_, meta) = call["response_mask"], call["result"]
         torch.testing.assert_close(call["row_weights"], 1 / (mask.sum(-1).double() * 8))
-        kl_sum, tokens = kl_sum + meta["kl"] * mask.sum().item(), tokens + mask.sum().item()
+        kl_sum, tokens = kl_sum + float(meta["kl"]) * mask.sum().item(), tokens + mask.sum().item()
     [logged] = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
     assert logged["kl"] == pytest.approx(kl_sum / tokens)  # weighted by tokens, not by microbatch
 
