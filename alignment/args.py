@@ -217,6 +217,10 @@ AT_MOST_ONE = {"gamma", "lam", "filter_low", "filter_high", "warmup_ratio", "gpu
 def check_values(args):
     """Every field one of its choices, every number within its range (POSITIVE, AT_LEAST_ZERO, AT_MOST_ONE)
     and finite; None means unset."""
+    for name in ("dataset", "eval_dataset"):  # an rg: spec's form, before the run folder is made
+        if str(getattr(args, name, "") or "").startswith("rg:"):
+            from alignment.data import rg_options
+            rg_options(getattr(args, name)[3:])
     for f in fields(args):
         value, choices = getattr(args, f.name), f.metadata.get("choices")
         if choices and value is not None and value not in choices:

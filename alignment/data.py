@@ -101,8 +101,11 @@ def download_gsm8k(data_dir: str | Path | None = None, base_url: str | None = No
             with urllib.request.urlopen(url, timeout=30) as response:
                 payload = response.read()
         except (urllib.error.URLError, OSError) as e:
+            if not any(out.iterdir()):
+                out.rmdir()  # (made for the download: nothing is left behind)
+            where = "point --data_dir at a folder that has it" if data_dir else "set ALIGNMENT_DATA_DIR"
             raise MissingFileError(f"could not download {url} ({e}); without a network, copy GSM8K's "
-                                    f"{split}.jsonl to {target} or set ALIGNMENT_DATA_DIR.") from None
+                                    f"{split}.jsonl to {target} or {where}.") from None
         tmp = target.with_suffix(".jsonl.tmp")
         tmp.write_bytes(payload)
         os.replace(tmp, target)  # never leave a half-written file behind
@@ -134,15 +137,7 @@ def load_reasoning_gym(spec: str, size: int, seed: int) -> list[dict]:
     with warnings.catch_warnings():  # some of its dependencies' modules compile with SyntaxWarnings (`is` with a literal)
         warnings.simplefilter("ignore", SyntaxWarning)
         import reasoning_gym
-    task, _, options = spec.partition(":")
-    config = {}
-    for option in filter(None, options.split(",")):
-        key, eq, value = option.partition("=")
-        if not eq:
-            raise UserError(f"rg:{spec}: write task options as key=value, e.g. rg:chain_sum:max_terms=3.")
-        if key.strip() in config:
-            raise UserError(f"rg:{spec}: {key.strip()} is given twice; give each option once.")
-        config[key.strip()] = _option_value(value.strip())
+    task, config = rg_options(spec)
     if task == "basic_arithmetic" and config.get("allow_parentheses") is False and \
             set(str(config.get("operators", "+-*/"))) & set("*/"):
         # reasoning-gym 0.1.19 evaluates such a chain left to right, not * and / first, and may print another
@@ -158,6 +153,21 @@ def load_reasoning_gym(spec: str, size: int, seed: int) -> list[dict]:
         raise UserError(f"rg:{spec}: reasoning-gym rejected the options ({e or 'invalid value'}); "
                          f"see the task's config class for its fields.") from None
     return [{"question": item["question"], "answer": str(item["answer"])} for item in generated]
+
+
+def rg_options(spec: str) -> tuple[str, dict]:
+    """`chain_sum:max_terms=3,max_digits=2` -> ("chain_sum", {"max_terms": 3, "max_digits": 2}); a malformed or
+    repeated option is one line (the scripts check this when they parse their flags, before any work)."""
+    task, _, options = spec.partition(":")
+    config = {}
+    for option in filter(None, options.split(",")):
+        key, eq, value = option.partition("=")
+        if not eq:
+            raise UserError(f"rg:{spec}: write task options as key=value, e.g. rg:chain_sum:max_terms=3.")
+        if key.strip() in config:
+            raise UserError(f"rg:{spec}: {key.strip()} is given twice; give each option once.")
+        config[key.strip()] = _option_value(value.strip())
+    return task, config
 
 
 def _option_value(text: str):

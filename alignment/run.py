@@ -25,7 +25,6 @@ import json
 import math
 import pickle
 import random
-import re
 import shutil
 import fcntl
 import importlib.util
@@ -97,7 +96,7 @@ class Run:
                         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
             writable_folder(self.dir)  # an output path that cannot be written fails now, not after the work
             for name in ("metrics.jsonl", "rollouts.jsonl"):  # a crash after the checkpoint wrote these again
-                _truncate_jsonl(self.dir / name, self.start_step, self.say)
+                _truncate_jsonl(self.dir / name, self.start_step, self.say if name == "metrics.jsonl" else None)
             config = {**to_dict(args), "output_dir": str(self.dir), "start_model": self.start_model,
                       "script": self.script}
             (self.dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
@@ -362,17 +361,16 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def _truncate_jsonl(path: Path, step: int, say=print):
-    """Keep the records of steps up to `step` (none for a new run). A last line cut off by a kill is dropped
-    (read_jsonl), and when it held a step the checkpoint has, that step's record is lost: say so, since the
-    steps in the file then have a gap."""
+def _truncate_jsonl(path: Path, step: int, say=None):
+    """Keep the records of steps up to `step` (none for a new run). Every step logs its record before its
+    checkpoint, so with `say` (metrics.jsonl) a file whose last record is of an earlier step than the checkpoint
+    lost lines (a kill mid-write cuts the last one, which read_jsonl drops): say so, the steps have a gap."""
     if not path.exists():
         return
-    lines = path.read_text().splitlines()
-    records = read_jsonl(path)
-    cut = re.match(r'\{"step": (\d+)', lines[-1]) if lines and len(records) < len(lines) else None
-    if cut and int(cut.group(1)) <= step:
-        say(f"[run] warning: the last line of {path} was cut off (the run was killed while writing it): the record "
-            f"of step {cut.group(1)} is lost, so the file has no line for that step (the checkpoint, at step {step}, "
-            f"is whole).")
-    path.write_text("".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
+    records = [r for r in read_jsonl(path) if r["step"] <= step]
+    last = max((r["step"] for r in records), default=0)
+    if say and last < step:
+        say(f"[run] warning: {path} has no record after step {last}, and the checkpoint is at step {step}: the "
+            f"record of step{'s' if step - last > 1 else ''} {last + 1}{f'-{step}' if step - last > 1 else ''} was "
+            f"lost (the run was killed while writing it), so the file has a gap there; the checkpoint is whole.")
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))

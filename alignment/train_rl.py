@@ -34,7 +34,7 @@ from alignment.args import RLArgs, parse
 from alignment.async_rollouts import RolloutSource
 from alignment.errors import UserError, cli
 from alignment.estimators import compute_rollout_is_weights, compute_value_loss
-from alignment.evaluate import PROMPT_SETTINGS, check_context, evaluate
+from alignment.evaluate import PROMPT_SETTINGS, check_context, context_need, evaluate
 from alignment.experience import Experience, SamplingStopped, build_experience, collect_rollouts
 from alignment.grpo import policy_microbatch_train_step, weighted_sum
 from alignment.run import Run
@@ -138,10 +138,10 @@ def main(args: RLArgs) -> dict:
     random.seed(args.seed)
     # Data first: a bad dataset or file fails before a minute of model loading.
     train_rows, eval_rows, eval_name = load_questions(args, run.say)
-    if args.rollout_mode == "standard":  # before the weights load and an engine starts
+    if args.rollout_mode != "tir":  # before the weights load and an engine starts (delethink: one chunk)
+        need, length = context_need(args, max(args.sampling_max_tokens, args.eval_max_tokens))
         check_context(args.vllm_max_model_len if backend == "vllm" else None, models.load_tokenizer(run.weights),
-                      train_rows + eval_rows, args.prompt, args.chat_template,
-                      max(args.sampling_max_tokens, args.eval_max_tokens), run.weights)
+                      train_rows + eval_rows, args.prompt, args.chat_template, need, run.weights, length)
     m = load_models(args, run, roles, device, backend)
     reference = ("the policy with its adapters off (no second copy)" if m.reference is m.policy else
                  f"{run.start_model} on {roles['reference']}" if m.reference is not None else "none (--kl_coef 0)")

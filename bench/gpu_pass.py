@@ -411,9 +411,11 @@ def main():
     if args.command == "prepare":
         prepare(args)
     elif args.command == "run":
-        if args.budget < 20:  # a stage starts only with 20 s left
+        if not args.budget >= 20:  # a stage starts only with 20 s left (and nan is no budget)
             parser.error(f"--budget {args.budget:g} is under 20 seconds: no stage would start")
         unknown = sorted(set((args.only or "").split(",")) - set(CHECKS)) if args.only is not None else []
+        if args.work and Path(args.work).is_dir() and any(Path(args.work).iterdir()):
+            parser.error(f"--work {args.work} holds an earlier pass's models and runs: name a new or empty folder")
         if unknown:
             parser.error(f"--only names no stage called {', '.join(map(repr, unknown))}: the stages are "
                          f"{', '.join(CHECKS)}")

@@ -88,6 +88,20 @@ class Stage(NamedTuple):
     def folder(self) -> Path:
         return Path(self.command[self.command.index("--output_dir") + 1])
 
+    def holds_its_own(self) -> bool:
+        """The folder's own record of its flags (a run's config.json, an evaluation's summary) is this command's:
+        stages.json alone once kept a record of a command whose run had been refused, over another's result."""
+        from alignment.args import SCRIPTS, parse, to_dict
+        path = self.folder / ("config.json" if self.trains else "summary.json")
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return False
+        saved = saved if self.trains else saved.get("config", {})
+        asked = json.loads(json.dumps(to_dict(parse(SCRIPTS[self.command[1].removeprefix("alignment.")],
+                                                   self.command[2:])), default=str))
+        return all(saved.get(k) == v for k, v in asked.items() if k not in ("output_dir", "resume", "overwrite"))
+
     def finished(self) -> bool:
         """Its results are complete: an evaluation's summary, a training run's last step with its checkpoint."""
         if not self.trains:
@@ -118,7 +132,8 @@ def check_plan(plan: list[Stage], out: Path, overwrite: bool):
     known, wanted = records(out), {}
     for stage in plan:
         wanted[stage.name] = record(stage, wanted)
-        if used(stage.folder) and known.get(stage.name) != wanted[stage.name] and not overwrite:
+        mine = known.get(stage.name) == wanted[stage.name] and stage.holds_its_own()
+        if used(stage.folder) and not mine and not overwrite:
             why = "other flags" if stage.name in known else "no record of its flags (an older demo, or by hand)"
             sys.exit(f"[steps_demo] error: {stage.folder} holds a {stage.name} result made with {why}: choose "
                      f"another --out, or add --overwrite to run that stage again (each script deletes only what "
@@ -134,7 +149,7 @@ def run_stage(stage: Stage, out: Path) -> float | None:
     times_path, known = out / "times.json", records(out)
     times = json.loads(times_path.read_text()) if times_path.exists() else {}
     mine = record(stage, known)
-    same = known.get(stage.name) == mine
+    same = known.get(stage.name) == mine and stage.holds_its_own()
     if same and stage.finished():
         print(f"[steps_demo] {stage.name}: done, kept", flush=True)
         return times.get(stage.name)
@@ -291,6 +306,11 @@ def main():
             parser.error(f"--{flag} must be at least 1")
     if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
         parser.error("--seeds must be distinct numbers from 0")
+    driver_sets = {word for word in rl_command(0, Path(), Path(), 1, 1, args.rl_backend, "") if word.startswith("--")}
+    clash = sorted(driver_sets & {word.split("=")[0] for word in args.rl_flags.split() if word.startswith("--")})
+    if clash:
+        parser.error(f"--rl_flags may not set {', '.join(clash)}: the driver sets {'it' if len(clash) == 1 else 'them'} "
+                     f"(its folders, steps and evaluations; see --rl_steps, --limit, --seeds, --out)")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} is a file: name a folder")

@@ -487,3 +487,20 @@ def test_a_file_given_as_the_model_is_called_a_file(tmp_path):
     (tmp_path / "weights.bin").write_text("")
     with pytest.raises(UserError, match="is a file; pass a model folder"):
         models.resolve_model(str(tmp_path / "weights.bin"))
+
+
+def test_a_delethink_chunk_longer_than_the_models_context_is_refused_before_any_work(tiny_model_dir, tmp_path,
+                                                                                   data_dir):
+    """Each delethink chunk is one call of prompt + C tokens: 8,192-token chunks on a 2,048-token model once ran
+    for minutes, generating past the model's context."""
+    from alignment import evaluate
+    args = parse(EvalArgs, ["--model", tiny_model_dir, "--rollout_mode", "delethink", "--limit", "1",
+                            "--data_dir", str(data_dir), "--output_dir", str(tmp_path / "eval")])
+    with pytest.raises(UserError, match=r"cannot hold the longest prompt \(\d+ tokens\) and an answer of up to 8192 "
+                                        r"tokens: lower --delethink_chunk_size to at most"):
+        evaluate.main(args)
+
+
+def test_a_malformed_rg_spec_is_refused_with_the_flags_before_any_folder(capsys):
+    assert "max_terms is given twice" in one_error_line(capsys, RLArgs, ["--dataset", "rg:chain_sum:max_terms=3,max_terms=5"])
+    assert "write task options as key=value" in one_error_line(capsys, EvalArgs, ["--dataset", "rg:chain_sum:max_terms"])

@@ -47,8 +47,10 @@ def test_missing_files_say_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="aime24 test.jsonl"):
         data.load_dataset("aime24", data_dir=str(tmp_path))
     monkeypatch.setenv("ALIGNMENT_GSM8K_URL", "http://127.0.0.1:9/nothing")  # nothing listens on port 9
-    with pytest.raises(FileNotFoundError, match="could not download .*/test.jsonl .* copy GSM8K's test.jsonl"):
+    with pytest.raises(FileNotFoundError, match="could not download .*/test.jsonl .* copy GSM8K's test.jsonl .* "
+                                                "point --data_dir at a folder that has it"):
         data.load_gsm8k("test", str(tmp_path))
+    assert not (tmp_path / "gsm8k").exists()  # the folder made for the download is not left behind
     with pytest.raises(ValueError, match="unknown dataset"):
         data.load_dataset("mmlu", data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="only a test split"):

@@ -39,6 +39,7 @@ def _gpu_pass(*argv, cwd=ROOT):
     (["--devcie", "cpu"], "unrecognized arguments: --devcie"),  # once ignored: the pass ran on --device cuda
     (["--dev", "cpu"], "unrecognized arguments: --dev"),  # no abbreviations either
     (["--budget", "-5"], "no stage would start"),
+    (["--budget", "nan"], "no stage would start"),
     (["--only", "rl,bogus"], "no stage called 'bogus'"),  # once: "every stage ok" having run none
 ])
 def test_the_pass_refuses_a_bad_flag_before_it_writes_anything(argv, message, tmp_path):
@@ -53,6 +54,11 @@ def test_the_pass_never_overwrites_an_earlier_pass(tmp_path):
     done = _gpu_pass("run", "--device", "cpu", "--tiny", "--out", str(tmp_path / "out"))
     assert done.returncode != 0 and "holds an earlier pass's log.txt" in done.stderr, done.stderr
     assert (tmp_path / "out" / "log.txt").read_text() == "an earlier pass\n"
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "mine.txt").write_text("kept")  # an earlier pass's models and runs: refused up front
+    done = _gpu_pass("run", "--device", "cpu", "--tiny", "--out", str(tmp_path / "out2"), "--work", str(tmp_path / "work"))
+    assert done.returncode == 2 and "holds an earlier pass's models and runs" in done.stderr, done.stderr
+    assert not (tmp_path / "out2").exists()
     import torch
     if torch.cuda.is_available():
         return

@@ -691,20 +691,22 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_last_checkpoint_stays(tin
     assert _saved_step(tmp_path / "run") == 1 and not (tmp_path / "run" / "checkpoint.tmp").exists()
 
 
-def test_a_run_folder_deleted_mid_run_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("after", ["log", "log_rollouts"])  # the next write: a rollout line, or the checkpoint
+def test_a_run_folder_deleted_mid_run_is_one_line(after, tiny_model_dir, tmp_path, monkeypatch, capsys):
     import shutil
     from alignment.run import Run
-    real_log = Run.log
+    real = getattr(Run, after)
 
-    def log_then_delete(self, record):
-        real_log(self, record)
+    def write_then_delete(self, *args):
+        real(self, *args)
         shutil.rmtree(self.dir)  # someone removes the folder while the run writes it
-    monkeypatch.setattr(Run, "log", log_then_delete)
+    monkeypatch.setattr(Run, after, write_then_delete)
     with pytest.raises(SystemExit) as stop:
         cli(train_rl.main, tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2))
     err = capsys.readouterr().err
     [line] = [line for line in err.splitlines() if line.startswith("error:")]
     assert stop.value.code == 1 and "Traceback" not in err and "no longer exists" in line, err
+    assert not (tmp_path / "run").exists()  # the checkpoint did not make it again, half empty (it once did)
 
 
 def test_a_file_name_too_long_for_the_file_system_is_one_line(tiny_model_dir, tmp_path, capsys):
@@ -728,5 +730,14 @@ def test_a_resume_says_when_a_cut_off_line_leaves_a_gap_in_the_steps(tiny_model_
     metrics.write_text(text[:len(text) - len(text.splitlines()[-1]) // 2 - 1])  # step 2's line, cut mid-write
     capsys.readouterr()
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=3, resume=str(tmp_path / "run")))
-    assert "the record of step 2 is lost, so the file has no line for that step" in capsys.readouterr().out
+    assert "has no record after step 1, and the checkpoint is at step 2: the record of step 2 was lost" in \
+        capsys.readouterr().out
     assert [m["step"] for m in read_jsonl(metrics)] == [1, 3]
+    for kept in (6, 1):  # `{"ste` (too little left to name its step); the whole line gone
+        train_rl.main(tiny_args(tiny_model_dir, tmp_path / f"run{kept}", n_steps=2))
+        metrics = tmp_path / f"run{kept}" / "metrics.jsonl"
+        text = metrics.read_text()
+        metrics.write_text(text[:text.rindex("\n", 0, -1) + kept])
+        capsys.readouterr()
+        train_rl.main(tiny_args(tiny_model_dir, metrics.parent, n_steps=3, resume=str(metrics.parent)))
+        assert "the record of step 2 was lost" in capsys.readouterr().out

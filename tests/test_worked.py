@@ -181,4 +181,8 @@ def test_the_demo_driver_runs_every_stage_and_resumes(tiny_model_dir, tmp_path):
     assert redo.returncode != 0 and "rl-seed0: uv run python" in redo.stdout and "--overwrite" in redo.stdout
     assert "holds files no run writes (notes.txt)" in (tmp_path / "demo" / "rl-seed0.log").read_text()
     assert (tmp_path / "demo" / "rl-seed0" / "notes.txt").read_text() == "mine"
+    again = subprocess.run(command + ["--worked_style", "rewrite", "--overwrite"], capture_output=True, text=True,
+                           timeout=900)  # the refused stage's folder still holds the other recipe's run: not kept
+    assert again.returncode != 0 and "sft-seed0: done, kept" in again.stdout, again.stdout
+    assert "rl-seed0: done, kept" not in again.stdout and "rl-seed0: uv run python" in again.stdout
     assert "rewrite" in json.loads((tmp_path / "demo" / "stages.json").read_text())["sft-seed0"]["command"]
