@@ -21,6 +21,7 @@ training loops read the same in one process and under torchrun.
 
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import pickle
@@ -119,9 +120,17 @@ class Run:
         if self.main:
             tqdm.write(message)
 
+    def _still_there(self):
+        """The run folder was deleted (or moved away) while the run wrote it: its lock file, held open, has no
+        name left. Raised as the OSError it is, which the scripts' cli() says in one line; nothing is made again."""
+        if self._lock is not None and os.fstat(self._lock.fileno()).st_nlink == 0:
+            raise FileNotFoundError(errno.ENOENT, "the run folder was deleted while the run wrote it",
+                                    str(self.dir / LOCK_FILE))
+
     def log(self, record: dict):
         """Append one record (with its "step") to metrics.jsonl and the logger."""
         if self.main:
+            self._still_there()
             _append_jsonl(self.dir / "metrics.jsonl", record)
             self.logger.log(record, record["step"])
 
@@ -139,8 +148,12 @@ class Run:
         trainer_state = {**(state or {}), "step": step, "start_model": self.start_model,
                          "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
         config = {**to_dict(self.args), "output_dir": str(self.dir)}  # the folder it writes, however it was named
+        if self.main:
+            self._still_there()
         models.save_checkpoint(model, tokenizer, self.checkpoint, config=config, optimizer=optimizer,
                                extra={STATE_FILE: trainer_state}, submodels=submodels)
+        if self.main:  # deleted during the save: torch.distributed.checkpoint makes its folders again
+            self._still_there()
 
     @contextlib.contextmanager
     def stop_on_signal(self):
@@ -274,8 +287,9 @@ def lock_folder(folder: Path):
     """An exclusive flock on folder/.lock for as long as the returned file stays open (this process's life;
     the kernel drops it when the process ends, however it ends, so a killed run never blocks the next)."""
     key = os.path.realpath(folder)
-    if key in _HELD:  # this process holds it already (a script's main() called again, as tests and sweeps do)
-        return _HELD[key]
+    if key in _HELD and os.fstat(_HELD[key].fileno()).st_nlink:  # this process holds it already (a script's
+        return _HELD[key]  # main() called again, as tests and sweeps do), and its folder was not deleted since
+    _HELD.pop(key, None)
     writable_folder(folder)
     try:
         handle = open(folder / LOCK_FILE, "a+")

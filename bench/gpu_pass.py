@@ -415,7 +415,8 @@ def main():
             parser.error(f"--budget {args.budget:g} is under 20 seconds: no stage would start")
         unknown = sorted(set((args.only or "").split(",")) - set(CHECKS)) if args.only is not None else []
         if args.work and Path(args.work).is_dir() and any(Path(args.work).iterdir()):
-            parser.error(f"--work {args.work} holds an earlier pass's models and runs: name a new or empty folder")
+            parser.error(f"--work {args.work} is not empty (an earlier pass's models and runs, or other files): name a "
+                         f"new or empty folder")
         if unknown:
             parser.error(f"--only names no stage called {', '.join(map(repr, unknown))}: the stages are "
                          f"{', '.join(CHECKS)}")

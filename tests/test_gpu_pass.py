@@ -57,7 +57,7 @@ def test_the_pass_never_overwrites_an_earlier_pass(tmp_path):
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "mine.txt").write_text("kept")  # an earlier pass's models and runs: refused up front
     done = _gpu_pass("run", "--device", "cpu", "--tiny", "--out", str(tmp_path / "out2"), "--work", str(tmp_path / "work"))
-    assert done.returncode == 2 and "holds an earlier pass's models and runs" in done.stderr, done.stderr
+    assert done.returncode == 2 and "is not empty (an earlier pass's models and runs" in done.stderr, done.stderr
     assert not (tmp_path / "out2").exists()
     import torch
     if torch.cuda.is_available():

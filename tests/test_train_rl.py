@@ -691,14 +691,14 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_last_checkpoint_stays(tin
     assert _saved_step(tmp_path / "run") == 1 and not (tmp_path / "run" / "checkpoint.tmp").exists()
 
 
-@pytest.mark.parametrize("after", ["log", "log_rollouts"])  # the next write: a rollout line, or the checkpoint
+@pytest.mark.parametrize("after", ["log", "log_rollouts", "save"])  # the next write: a line, or the checkpoint
 def test_a_run_folder_deleted_mid_run_is_one_line(after, tiny_model_dir, tmp_path, monkeypatch, capsys):
     import shutil
     from alignment.run import Run
     real = getattr(Run, after)
 
-    def write_then_delete(self, *args):
-        real(self, *args)
+    def write_then_delete(self, *args, **kwargs):
+        real(self, *args, **kwargs)
         shutil.rmtree(self.dir)  # someone removes the folder while the run writes it
     monkeypatch.setattr(Run, after, write_then_delete)
     with pytest.raises(SystemExit) as stop:
@@ -706,7 +706,7 @@ def test_a_run_folder_deleted_mid_run_is_one_line(after, tiny_model_dir, tmp_pat
     err = capsys.readouterr().err
     [line] = [line for line in err.splitlines() if line.startswith("error:")]
     assert stop.value.code == 1 and "Traceback" not in err and "no longer exists" in line, err
-    assert not (tmp_path / "run").exists()  # the checkpoint did not make it again, half empty (it once did)
+    assert not (tmp_path / "run").exists()  # nothing made it again, half empty (the next steps once did)
 
 
 def test_a_file_name_too_long_for_the_file_system_is_one_line(tiny_model_dir, tmp_path, capsys):
