@@ -167,7 +167,12 @@ def run_stage(stage: Stage, out: Path) -> float | None:
     print(f"[steps_demo] {stage.name}: uv run python {' '.join(command)}", flush=True)
     start = time.perf_counter()
     with open(out / f"{stage.name}.log", "a") as log:
-        subprocess.run([sys.executable, *command], check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            subprocess.run([sys.executable, *command], check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        except subprocess.CalledProcessError as e:
+            if e.returncode == 2:  # the script refused (a user error) and wrote nothing of this command: the
+                (out / STAGES_FILE).write_text(json.dumps(known, indent=1))  # folder's record stays the old one
+            raise
     times[stage.name] = times.get(stage.name, 0.0) + time.perf_counter() - start  # a resumed stage adds its parts
     times_path.write_text(json.dumps(times, indent=1))
     return times[stage.name]
