@@ -85,35 +85,6 @@ def test_weight_sync_follows_the_policy(engine, smol, tokenizer, chat_prompts):
     assert [c.token_ids for c in greedy(engine, prompts)] == first
 
 
-def test_a_bf16_engine_takes_fp32_master_weights_quietly_and_whole(smollm2_dir, smol, chat_prompts, capfd):
-    """A bf16 engine (--precision auto on a bf16 CPU) once got fp32 pushes: twice the bytes, and ~150 warnings a
-    push from vLLM ("Attempted to load weight ... float32 into ... bfloat16", "RotaryEmbedding: Failed to load
-    weights"), thousands of lines in a run. Now the push is cast to the engine's dtype, prints nothing, and a
-    push that leaves a weight out is an error, not a log line."""
-    from alignment.sampling import VLLMSampler
-    engine = VLLMSampler(smollm2_dir, "cpu", **{**ENGINE, "precision": "bf16"})
-    prompts = chat_prompts[:2]
-    try:
-        first = [c.token_ids for c in greedy(engine, prompts)]
-        capfd.readouterr()
-        engine.load_weights(smol.state_dict())  # the same weights, fp32: what a step pushes
-        out, err = capfd.readouterr()
-        assert "Attempted to load weight" not in out + err and "Failed to load" not in out + err, (out + err)[-2000:]
-        assert [c.token_ids for c in greedy(engine, prompts)] == first  # every weight loaded (the rotary table too)
-        with torch.no_grad():
-            changed = {k: (-v if k.endswith("layers.3.mlp.down_proj.weight") else v) for k, v in smol.state_dict().items()}
-        engine.load_weights(changed)
-        assert [c.token_ids for c in greedy(engine, prompts)] != first
-        partial = {k: v for k, v in smol.state_dict().items() if "layers.3.mlp" not in k}
-        with pytest.raises(RuntimeError, match="did not load every weight"):
-            engine.load_weights(partial)
-        engine.load_weights(smol.state_dict())
-        assert [c.token_ids for c in greedy(engine, prompts)] == first
-    finally:
-        del engine
-        gc.collect()
-
-
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
 def test_seed_semantics(backend, engine, hf, chat_prompts):
     sampler = engine if backend == "vllm" else hf
@@ -310,3 +281,33 @@ def test_sft_evaluates_with_vllm(tiny_model_dir, data_dir, tmp_path):
     result = sft.main(args)
     assert result["steps"] == 2 and result["last_eval"]["count"] == 2
     gc.collect()
+
+
+def test_a_bf16_engine_takes_fp32_master_weights_quietly_and_whole(smollm2_dir, smol, chat_prompts, capfd):
+    """A bf16 engine (--precision auto on a bf16 CPU) once got fp32 pushes: twice the bytes, and ~150 warnings a
+    push from vLLM ("Attempted to load weight ... float32 into ... bfloat16", "RotaryEmbedding: Failed to load
+    weights"), thousands of lines in a run. Now the push is cast to the engine's dtype, prints nothing, and a
+    push that leaves a weight out is an error, not a log line. Last in the module: a second engine torn down in
+    this process takes vLLM's parallel state with it, which the module's `engine` fixture still needs."""
+    from alignment.sampling import VLLMSampler
+    engine = VLLMSampler(smollm2_dir, "cpu", **{**ENGINE, "precision": "bf16"})
+    prompts = chat_prompts[:2]
+    try:
+        first = [c.token_ids for c in greedy(engine, prompts)]
+        capfd.readouterr()
+        engine.load_weights(smol.state_dict())  # the same weights, fp32: what a step pushes
+        out, err = capfd.readouterr()
+        assert "Attempted to load weight" not in out + err and "Failed to load" not in out + err, (out + err)[-2000:]
+        assert [c.token_ids for c in greedy(engine, prompts)] == first  # every weight loaded (the rotary table too)
+        with torch.no_grad():
+            changed = {k: (-v if k.endswith("layers.3.mlp.down_proj.weight") else v) for k, v in smol.state_dict().items()}
+        engine.load_weights(changed)
+        assert [c.token_ids for c in greedy(engine, prompts)] != first
+        partial = {k: v for k, v in smol.state_dict().items() if "layers.3.mlp" not in k}
+        with pytest.raises(RuntimeError, match="did not load every weight"):
+            engine.load_weights(partial)
+        engine.load_weights(smol.state_dict())
+        assert [c.token_ids for c in greedy(engine, prompts)] == first
+    finally:
+        del engine
+        gc.collect()
