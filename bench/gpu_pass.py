@@ -19,7 +19,10 @@ built from a config (the 514 MB SmolLM2 weights cannot travel): right for speed 
                saved checkpoint), evaluation after step 5
   qwen_shape   train_rl with Qwen2.5-Math-1.5B's architecture (28 layers, hidden 1536, 12 heads, 2 KV
                heads, MLP 8960, tied embeddings, SmolLM2's vocabulary), 8 questions x group 8, answers
-               forced to 256 tokens: s/step, generated tokens/s, peak GPU memory, train-phase MFU
+               forced to 256 tokens, 4 steps: s/step, generated tokens/s, peak GPU memory, train-phase MFU
+               (steps 2-3); step 4's train phase under torch.profiler: GPU-busy fraction (kernel time over
+               wall time), aten operations, kernel launches, host syncs, and DIR/qwen_run_profile.txt (top
+               operations by GPU time and by CPU self time); allocator retries
   fsdp         torchrun --nproc_per_node 1 train_rl, 2 steps (NCCL on a GPU, gloo on the CPU; FSDP2)
   fsdp_resume  the same run resumed from its checkpoint to step 3
   sft          sft, 5 steps; then evaluate: evaluate --limit 16 on its result
@@ -101,11 +104,11 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
     in_process = [*python, __file__, "stage", "--work", str(work), "--name"]  # train_rl.main, then its peak memory
     qwen = ["--model", str(work / "qwen"), "--group_size", "8", "--rollout_batch_size", "64", "--train_batch_size", "64",
             "--train_mini_batch_size", "16", "--sample_batch_size", "64", "--sampling_max_tokens", "256",
-            "--sampling_min_tokens", "256", "--log_rollouts", "64", "--n_steps", "3"]
+            "--sampling_min_tokens", "256", "--log_rollouts", "64", "--n_steps", "4"]
     if args.tiny:
         qwen = ["--model", str(work / "qwen"), "--group_size", "4", "--rollout_batch_size", "8", "--train_batch_size",
                 "8", "--train_mini_batch_size", "4", "--sampling_max_tokens", "16", "--sampling_min_tokens", "16",
-                "--log_rollouts", "8", "--n_steps", "3"]
+                "--log_rollouts", "8", "--n_steps", "4"]
     torchrun = [*python, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29517"]
     fsdp = ["-m", "alignment.train_rl", *rl, "--n_steps", "2", "--eval_every", "0", "--save_every", "1", "--output_dir", str(work / "fsdp")]
     sft_small = ["--eval_limit", "4", "--eval_max_tokens", "8"] if args.tiny else ["--eval_limit", "16", "--eval_max_tokens", "64"]
@@ -114,7 +117,7 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
         ("rl", [*in_process, "rl", "--", *rl, "--n_steps", "5", "--eval_every", "5", "--eval_limit",
                 "4" if args.tiny else "16", *(["--eval_max_tokens", "8"] if args.tiny else []), "--log_rollouts", "32",
                 "--output_dir", str(work / "rl")], 180),
-        ("qwen_shape", [*in_process, "qwen_shape", "--", *qwen, "--rg_size", "200",
+        ("qwen_shape", [*in_process, "qwen_shape", "--profile_step", "4", "--", *qwen, "--rg_size", "200",
                         "--backend", "hf", "--precision", "auto", "--eval_every", "0", "--save_every", "1000",
                         "--output_dir", str(work / "qwen_run")], 300),
         ("fsdp", [*torchrun, *fsdp], 150),
@@ -177,6 +180,8 @@ def run(args):
             f"{json.dumps({k: v for k, v in record.items() if k not in ('ok', 'seconds', 'error')})}"
             + ("" if record["ok"] else "\n" + record["error"]))
         (out / "results.json").write_text(json.dumps(results, indent=1))
+        for table in work.glob("*_profile.txt"):  # the profiler's tables come back with the results
+            shutil.copy(table, out / table.name)
     results["seconds"] = round(time.perf_counter() - start, 1)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     failed = [name for name, r in results["stages"].items() if not r["ok"]]
@@ -325,8 +330,9 @@ def _timings(steps: list[dict]) -> dict:
 
 def check_qwen(work, output, env):
     steps = _steps(work / "qwen_run")
-    assert len(steps) == 3, f"{len(steps)} steps logged"
-    return _speed(work, "qwen_run", "qwen", steps[1:], env)  # step 1 warms up the kernels and the allocator
+    assert len(steps) == 4, f"{len(steps)} steps logged"
+    # step 1 warms up the kernels and the allocator; step 4's train phase runs under the profiler
+    return _speed(work, "qwen_run", "qwen", steps[1:3], env)
 
 
 def _speed(work: Path, run: str, model: str, timed: list[dict], env: dict) -> dict:
@@ -376,17 +382,75 @@ CHECKS = {"pytest": check_pytest, "rl": check_rl, "qwen_shape": check_qwen, "fsd
 
 
 def stage(args, flags: list[str]):
-    """One train_rl run in this process, then its peak GPU memory (the rl and qwen_shape stages)."""
+    """One train_rl run in this process, then its peak GPU memory and allocator statistics (the rl and
+    qwen_shape stages); with --profile_step, the profile of that step's train phase."""
     import torch
     from alignment import train_rl
     from alignment.args import RLArgs, parse
+    run_dir = Path(flags[flags.index("--output_dir") + 1])
+    window = _profile_train_phase(train_rl, args.profile_step) if args.profile_step else None
     train_rl.main(parse(RLArgs, flags))
     measured = {}
     if torch.cuda.is_available():
+        stats = torch.cuda.memory_stats()
         measured.update(peak_gpu_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                        peak_gpu_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
-    run_dir = Path(flags[flags.index("--output_dir") + 1])
+                        peak_gpu_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
+                        alloc_retries=stats.get("num_alloc_retries", 0), ooms=stats.get("num_ooms", 0))
+    if window is not None:
+        measured.update(_profile_summary(window, Path(args.work) / f"{run_dir.name}_profile.txt"))
     (Path(args.work) / f"{run_dir.name}_stage.json").write_text(json.dumps(measured))
+
+
+def _profile_train_phase(train_rl, step: int) -> dict:
+    """Wrap train_rl's train phase (experience, then update) so that the one of step `step` (1-based) runs
+    under torch.profiler; the returned dict receives the profile and the phase's wall time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    build, update, calls, window = train_rl.build_experience, train_rl._update, [0], {}
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def build_profiled(*a, **k):
+        calls[0] += 1
+        if calls[0] == step:
+            sync()
+            window["profile"] = profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda)
+            window["profile"].__enter__()
+            window["start"] = time.perf_counter()
+        return build(*a, **k)
+
+    def update_profiled(*a, **k):
+        try:
+            return update(*a, **k)
+        finally:
+            if "start" in window and "wall_s" not in window:
+                sync()
+                window["wall_s"] = time.perf_counter() - window["start"]
+                window["profile"].__exit__(None, None, None)
+
+    train_rl.build_experience, train_rl._update = build_profiled, update_profiled
+    return window
+
+
+def _profile_summary(window: dict, table: Path) -> dict:
+    """GPU-busy fraction (summed kernel time over the phase's wall time, under the profiler's own overhead),
+    counts of aten operations, kernel launches and host syncs, and two top-25 tables written to `table`."""
+    if "profile" not in window:
+        return {"profile": "the profiled step had no train phase"}
+    events = window["profile"].key_averages()
+    kernel_s = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e6
+    count = lambda match: sum(e.count for e in events if match(e.key))  # noqa: E731
+    syncs = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
+             "aten::_local_scalar_dense", "aten::nonzero")
+    summary = {"profiled_train_s": round(window["wall_s"], 3), "kernel_s": round(kernel_s, 3),
+               "gpu_busy": round(kernel_s / window["wall_s"], 3),
+               "aten_ops": count(lambda k: k.startswith("aten::")),
+               "kernel_launches": count(lambda k: k in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")),
+               "host_syncs": {k.strip(): count(lambda key, k=k: key.startswith(k)) for k in syncs}}
+    by = "self_cuda_time_total" if kernel_s else "self_cpu_time_total"
+    table.write_text(f"{json.dumps(summary)}\n\ntop operations by {by}\n{events.table(sort_by=by, row_limit=25)}\n"
+                     f"top operations by self_cpu_time_total\n{events.table(sort_by='self_cpu_time_total', row_limit=25)}\n")
+    return summary
 
 
 def main():
@@ -406,6 +470,7 @@ def main():
     p = sub.add_parser("stage", allow_abbrev=False, help=argparse.SUPPRESS)
     p.add_argument("--work", required=True)
     p.add_argument("--name", required=True)
+    p.add_argument("--profile_step", type=int, default=0, help="profile this step's train phase (1-based; 0: none)")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="train_rl's flags, after --")
     args = parser.parse_args()
     if args.command == "prepare":
