@@ -17,15 +17,15 @@ built from a config (the 514 MB SmolLM2 weights cannot travel): right for speed 
   rl           train_rl, 5 steps, SmolLM2-135M's shape, default task, every role on the one device, HF
                sampler, --precision auto (must be bf16 autocast on fp32 master weights: checked in the
                saved checkpoint), evaluation after step 5
-  qwen_shape   train_rl with Qwen2.5-Math-1.5B's architecture (28 layers, hidden 1536, 12 heads, 2 KV
-               heads, MLP 8960, tied embeddings, SmolLM2's vocabulary), 8 questions x group 8, answers
+  fsdp         torchrun --nproc_per_node 1 train_rl, 2 steps (NCCL on a GPU, gloo on the CPU; FSDP2)
+  fsdp_resume  the same run resumed from its checkpoint to step 3
+  sft          sft, 5 steps; then evaluate: evaluate --limit 16 on its result
+  qwen_shape   (last: the longest) train_rl with Qwen2.5-Math-1.5B's architecture (28 layers, hidden
+               1536, 12 heads, 2 KV heads, MLP 8960, tied embeddings, SmolLM2's vocabulary), 8 questions x group 8, answers
                forced to 256 tokens, 4 steps: s/step, generated tokens/s, peak GPU memory, train-phase MFU
                (steps 2-3); step 4's train phase under torch.profiler: GPU-busy fraction (kernel time over
                wall time), aten operations, kernel launches, host syncs, and DIR/qwen_run_profile.txt (top
                operations by GPU time and by CPU self time); allocator retries
-  fsdp         torchrun --nproc_per_node 1 train_rl, 2 steps (NCCL on a GPU, gloo on the CPU; FSDP2)
-  fsdp_resume  the same run resumed from its checkpoint to step 3
-  sft          sft, 5 steps; then evaluate: evaluate --limit 16 on its result
 MFU of the train phase = 6 N (prompt tokens once per question + every response token) / (train seconds
 x the measured bf16 matmul rate): the least work a step needs, as in bench/rl_step.py's floors.
 """
@@ -117,9 +117,6 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
         ("rl", [*in_process, "rl", "--", *rl, "--n_steps", "5", "--eval_every", "5", "--eval_limit",
                 "4" if args.tiny else "16", *(["--eval_max_tokens", "8"] if args.tiny else []), "--log_rollouts", "32",
                 "--output_dir", str(work / "rl")], 180),
-        ("qwen_shape", [*in_process, "qwen_shape", "--profile_step", "4", "--", *qwen, "--rg_size", "200",
-                        "--backend", "hf", "--precision", "auto", "--eval_every", "0", "--save_every", "1000",
-                        "--output_dir", str(work / "qwen_run")], 300),
         ("fsdp", [*torchrun, *fsdp], 150),
         ("fsdp_resume", [*torchrun, *fsdp[:fsdp.index("--n_steps")], "--n_steps", "3",
                          *fsdp[fsdp.index("--n_steps") + 2:], "--resume", str(work / "fsdp")], 150),
@@ -127,6 +124,9 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
                  "4", "--microbatch_size", "4", "--precision", "auto", *sft_small, "--output_dir", str(work / "sft")], 150),
         ("evaluate", [*python, "-m", "alignment.evaluate", "--model", str(work / "sft"), "--limit", "4" if args.tiny else "16",
                       *(["--max_tokens", "8"] if args.tiny else []), "--output_dir", str(work / "eval")], 120),
+        ("qwen_shape", [*in_process, "qwen_shape", "--profile_step", "4", "--", *qwen, "--rg_size", "200",
+                        "--backend", "hf", "--precision", "auto", "--eval_every", "0", "--save_every", "1000",
+                        "--output_dir", str(work / "qwen_run")], 300),
     ]
 
 
@@ -465,7 +465,7 @@ def main():
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where every role runs")
     p.add_argument("--tiny", action="store_true", help="2-layer models and a few tokens: the CPU dry run")
     p.add_argument("--work", default=None, help="folder for models and runs (default: a new temporary folder)")
-    p.add_argument("--budget", type=float, default=420, help="seconds after which no stage starts (20 or more)")
+    p.add_argument("--budget", type=float, default=540, help="seconds after which no stage starts (20 or more)")
     p.add_argument("--only", default=None, help=f"comma-separated stages to run (default: all): {', '.join(CHECKS)}")
     p = sub.add_parser("stage", allow_abbrev=False, help=argparse.SUPPRESS)
     p.add_argument("--work", required=True)
