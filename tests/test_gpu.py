@@ -134,3 +134,27 @@ def test_the_weight_push_reaches_a_sampler_on_the_gpu(tokenizer):
     own = HFSampler(copy.deepcopy(policy).to(torch.bfloat16), tokenizer)
     assert sampler.generate(prompt, greedy)[0][0].token_ids == own.generate(prompt, greedy)[0][0].token_ids
     assert push(sampler) == 0.0  # in sync: not pushed again
+
+
+def test_the_static_sampler_compiles_on_the_gpu_and_decodes_as_the_reference(tokenizer):
+    """On CUDA `hf_sampler` is the static-shape sampler with its decode step compiled and captured; it gives
+    the reference loop's tokens on the same uniforms, and its counter draws equal the CPU's."""
+    from alignment.sampling import hf_sampler
+    from alignment.static_sampler import StaticSampler, counter_draws, counter_uniforms
+    model = build_tiny_model(tokenizer).to(GPU)
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 3)
+    static = hf_sampler(model, tokenizer, batch_size=8)
+    assert isinstance(static, StaticSampler) and static.compile
+
+    class CounterReference(HFSampler):
+        def _uniforms(self, seeds, device):
+            return counter_draws(seeds, device)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16], [17]]
+    for params in (SamplingParams(n=2, temperature=0, max_tokens=24),
+                   SamplingParams(n=2, temperature=1.0, max_tokens=24, seed=5, logprobs=True)):
+        ours = static.generate(prompts, params)
+        theirs = CounterReference(model, tokenizer, batch_size=8).generate(prompts, params)
+        assert [[c.token_ids for c in g] for g in ours] == [[c.token_ids for c in g] for g in theirs]
+    assert static.compile_seconds > 0
+    seeds = torch.arange(1000, dtype=torch.int64) * 7919
+    assert torch.equal(counter_uniforms(seeds.to(GPU), 3).cpu(), counter_uniforms(seeds, 3))
