@@ -28,12 +28,13 @@ completions differ for the same seed; given the same uniforms both give the same
 import time
 
 import torch
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 
 from alignment.sampling import Completion, HFSampler, draw_tokens
 
 WIDTH_BUCKET = 64  # compiled decoding: prompt widths rounded up to a multiple of this (fewer shapes, fewer graphs)
 CHECK_EVERY = 8  # tokens decoded between two host reads
+KEPT_SHAPES = 4  # decoding buffers kept for this many batch shapes (each holds a whole key/value cache)
 
 # SplitMix64 (Steele, Lea and Flood 2014), in int64 arithmetic: products and sums wrap modulo 2^64 as the
 # original's uint64 ones, right shifts are made logical by masking the sign's copies off
@@ -82,7 +83,7 @@ class StaticSampler(HFSampler):
         self.compile = model.device.type == "cuda" if compile is None else compile
         self.check_every = check_every
         self.compile_seconds = 0.0  # the first call of each compiled shape (tracing, compiling, capturing)
-        self._compiled = {}
+        self._compiled, self._states = {}, {}
 
     @torch.no_grad()
     def _generate_batch(self, prompts, params, seeds, bar) -> list[Completion]:
@@ -92,35 +93,31 @@ class StaticSampler(HFSampler):
             width = -(-width // WIDTH_BUCKET) * WIDTH_BUCKET
             fill = max(1, self.batch_size // n) - len(prompts)
             prompts, seeds = prompts + [prompts[0]] * fill, seeds + seeds[:n] * fill
-        total = width + params.max_tokens
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
-        attention = torch.zeros(len(prompts), total, dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            attention[row, width - len(prompt):width] = 1
-        positions = (attention[:, :width].cumsum(-1) - 1).clamp(min=0)
-        # Prefill each distinct prompt once, then repeat its cache for the n samples of its group
-        cache = StaticCache(config=self.model.config, max_cache_len=total)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        # Prefill each distinct prompt once (as the reference does), then copy its cache into the static one,
+        # once for each of the n samples of its group
+        prefill = DynamicCache()
         logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys.repeat_interleave(n, 0), layer.values.repeat_interleave(n, 0)
-            if self.compile:
-                torch._dynamo.mark_static_address(layer.keys)
-                torch._dynamo.mark_static_address(layer.values)
-        state = _State(seeds=request_seeds(seeds, device), attention=attention.repeat_interleave(n, 0),
-                       positions=positions[:, -1].repeat_interleave(n, 0), step=torch.zeros((), dtype=torch.long,
-                       device=device), width=width, tokens=torch.zeros(len(seeds), params.max_tokens,
-                       dtype=torch.long, device=device), logprobs=torch.zeros(len(seeds), params.max_tokens, device=device),
-                       banned=torch.zeros(logits.shape[-1], dtype=torch.bool, device=device).index_fill_(
-                           0, torch.tensor(self.eos_ids, device=device), True),
-                       params=params, cache=cache, model=self.model)
-        logits = logits.float().repeat_interleave(n, 0)
+                            past_key_values=prefill, use_cache=True, logits_to_keep=1).logits[:, -1]
+        state = self._state(len(seeds), width, width + params.max_tokens, logits.shape[-1], prefill, device)
+        for layer, prompt_layer in zip(state.cache.layers, prefill.layers):
+            layer.keys[:, :, :width].copy_(prompt_layer.keys.repeat_interleave(n, 0))
+            layer.values[:, :, :width].copy_(prompt_layer.values.repeat_interleave(n, 0))
+            layer.cumulative_length.fill_(width)  # the next token's slot (every row: prompts are left-padded)
+        state.attention.zero_()[:, :width].copy_(attention.repeat_interleave(n, 0))
+        state.positions.copy_(positions[:, -1].repeat_interleave(n, 0))
+        state.seeds.copy_(request_seeds(seeds, device))
+        state.logits.copy_(logits.repeat_interleave(n, 0))
+        state.step.zero_()
+        state.params = params
         advance = self._advance_fn(state)
         finish, generated, checked = [None] * real, [[] for _ in range(real)], 0
         max_stop_chars = max((len(s) for s in params.stop), default=0)
         for t in range(params.max_tokens):
             last = t + 1 == params.max_tokens
-            logits = _sample(state, logits) if last else advance(state, logits)
+            _sample(state) if last else advance(state)  # the last token needs no forward after it
             if last or (t + 1) % self.check_every == 0:
                 new = state.tokens[:real, checked:t + 1].tolist()  # the host's one read per check_every tokens
                 for row in range(real):
@@ -135,6 +132,33 @@ class StaticSampler(HFSampler):
         logprobs = state.logprobs[:real].tolist() if params.logprobs else [None] * real
         return [self._completion(ids, f or ("length", None), lp[:len(ids)] if lp else None)
                 for ids, f, lp in zip(generated, finish, logprobs)]
+
+    def _state(self, rows: int, width: int, total: int, vocab: int, prefill, device) -> "_State":
+        """The decoding buffers for `rows` rows of `total` tokens (`width` of prompt), made once per shape and
+        reused, so that a compiled step keeps its graph (CUDA graphs read and write fixed addresses)."""
+        key = (rows, width, total)
+        if key not in self._states:
+            if len(self._states) >= KEPT_SHAPES:  # without compiling (the CPU) every batch has its own shape
+                self._states.pop(next(iter(self._states)))
+            cache = StaticCache(config=self.model.config, max_cache_len=total)
+            for layer, prompt_layer in zip(cache.layers, prefill.layers):  # allocate: (rows, heads, total, dim)
+                layer.lazy_initialization(prompt_layer.keys[:1].expand(rows, -1, -1, -1),
+                                          prompt_layer.values[:1].expand(rows, -1, -1, -1))
+            banned = torch.zeros(vocab, dtype=torch.bool, device=device)
+            banned[self.eos_ids] = True
+            self._states[key] = _State(
+                cache=cache, model=self.model, width=width, banned=banned,
+                seeds=torch.zeros(rows, dtype=torch.long, device=device),
+                attention=torch.zeros(rows, total, dtype=torch.long, device=device),
+                positions=torch.zeros(rows, dtype=torch.long, device=device),
+                step=torch.zeros((), dtype=torch.long, device=device),
+                tokens=torch.zeros(rows, total - width, dtype=torch.long, device=device),
+                logprobs=torch.zeros(rows, total - width, device=device),
+                logits=torch.zeros(rows, vocab, device=device))
+            if self.compile:  # the graph reads and writes these in place: their addresses must not change
+                for tensor in (*self._states[key].tensors(), *(t for l in cache.layers for t in (l.keys, l.values))):
+                    torch._dynamo.mark_static_address(tensor)
+        return self._states[key]
 
     def _scan(self, ids: list[int], new: list[int], start: int, params, max_stop_chars: int):
         """Append the row's tokens `new` (token indices start, start + 1, ...) to `ids` up to the first that
@@ -163,14 +187,13 @@ class StaticSampler(HFSampler):
             compiled = torch.compile(_advance, mode="reduce-overhead", fullgraph=True)
             first = [True]
 
-            def timed(state, logits):  # the first call compiles and captures: timed apart from the decode rate
+            def timed(state):  # the first call compiles and captures: timed apart from the decode rate
                 if not first[0]:
-                    return compiled(state, logits)
+                    return compiled(state)
                 start, first[0] = time.perf_counter(), False
-                out = compiled(state, logits)
-                torch.cuda.synchronize() if logits.is_cuda else None
+                compiled(state)
+                torch.cuda.synchronize() if state.logits.is_cuda else None
                 self.compile_seconds += time.perf_counter() - start
-                return out
             self._compiled[key] = timed
         return self._compiled[key]
 
@@ -181,23 +204,26 @@ class _State:
     def __init__(self, **fields):
         self.__dict__.update(fields)
 
+    def tensors(self):
+        return [v for v in self.__dict__.values() if isinstance(v, torch.Tensor)]
 
-def _sample(s: _State, logits: torch.Tensor) -> torch.Tensor:
-    """Draw token `s.step` of every row from `logits` (B, V) and record it and its log-prob."""
+
+def _sample(s: _State) -> torch.Tensor:
+    """Draw token `s.step` of every row from `s.logits` (B, V) and record it and its log-prob."""
     params = s.params
     banned = s.banned & (s.step < params.min_tokens)  # EOS cannot end a row before min_tokens
-    logits = logits.masked_fill(banned, float("-inf"))
+    logits = s.logits.masked_fill(banned, float("-inf"))
     tokens, logprobs = draw_tokens(logits, params.temperature, params.top_p, counter_uniforms(s.seeds, s.step))
     s.tokens.index_copy_(1, s.step[None], tokens[:, None])
     s.logprobs.index_copy_(1, s.step[None], logprobs[:, None].float())
     return tokens
 
 
-def _advance(s: _State, logits: torch.Tensor) -> torch.Tensor:
-    """One decode step: draw each row's next token, then run the model on it; the next logits (B, V)."""
-    tokens = _sample(s, logits)
+def _advance(s: _State):
+    """One decode step, all in place: draw each row's next token, run the model on it, keep its logits."""
+    tokens = _sample(s)
     s.attention.index_fill_(1, s.step[None] + s.width, 1)  # the new token's cache slot, width + step
     s.positions.add_(1)
     s.step.add_(1)
-    return s.model(input_ids=tokens[:, None], attention_mask=s.attention, position_ids=s.positions[:, None],
-                 past_key_values=s.cache, use_cache=True).logits[:, -1].float()
+    s.logits.copy_(s.model(input_ids=tokens[:, None], attention_mask=s.attention, position_ids=s.positions[:, None],
+                           past_key_values=s.cache, use_cache=True).logits[:, -1])
