@@ -37,7 +37,8 @@ GROUPS = {
         "cliprange", "cliprange_high", "kl_coef", "kl_estimator", "kl_in_reward", "entropy_coef", "rollout_is",
         "rollout_is_level", "rollout_is_threshold", "async_steps", "n_steps", "n_ei_steps", "questions_per_step",
         "sft_epochs", "epochs", "train_batch_size",
-        "train_mini_batch_size", "epochs_per_rollout_batch", "batch_size", "microbatch_size", "learning_rate", "lr",
+        "train_mini_batch_size", "microbatch_tokens", "epochs_per_rollout_batch", "batch_size", "microbatch_size",
+        "learning_rate", "lr",
         "warmup_ratio", "weight_decay", "max_grad_norm", "critic_model", "critic_learning_rate", "cliprange_value",
         "value_loss_coef", "critic_warmup_steps"),
     "LoRA adapters": ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"),
@@ -208,7 +209,7 @@ AT_LEAST_ZERO = {"delethink_carryover", "delethink_keep_head", "max_tool_calls",
                  "kl_coef", "entropy_coef", "async_steps", "value_loss_coef", "critic_warmup_steps", "filter_low",
                  "filter_high", "group_size_max", "sampling_min_tokens", "weight_decay", "eval_every", "eval_limit", "save_every",
                  "log_rollouts", "seed", "max_examples", "max_response_tokens", "warmup_ratio", "limit", "temperature",
-                 "lora_rank", "lora_dropout"}
+                 "lora_rank", "lora_dropout", "microbatch_tokens"}
 ABOVE_ONE = {"rollout_is_threshold"}  # a ratio bound: 1 would mean sampler and learner always agree
 AT_MOST_ONE = {"gamma", "lam", "filter_low", "filter_high", "warmup_ratio", "gpu_memory_utilization", "sampling_top_p",
                "top_p", "lora_dropout"}
@@ -437,7 +438,8 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
     group_size: int = arg(4, "responses sampled per question (the group that shares a baseline)")
     rollout_batch_size: int = arg(32, "responses per RL step (questions per step = this / group_size)")
     train_batch_size: int = arg(32, "responses per optimizer step; rollout_batch_size / this = optimizer steps per epoch")
-    train_mini_batch_size: int = arg(8, "rows per forward/backward (microbatch); gradient accumulation = train_batch_size / this")
+    train_mini_batch_size: int = arg(8, "rows per forward/backward (microbatch) where microbatches are sized by rows (--microbatch_tokens); gradient accumulation = train_batch_size / this")
+    microbatch_tokens: int | None = arg(None, "size microbatches by tokens instead: a train batch's rows in consecutive microbatches of at most this many prompt + response tokens, a group kept whole where it fits (so it packs into one row), a longer row alone; the same gradient as row microbatches. 0: rows of --train_mini_batch_size. Default: 32768 on CUDA, where the step is bound by launches (the 1.5B shape's whole train batch in one microbatch; not yet measured on a GPU), rows elsewhere")
     epochs_per_rollout_batch: int = arg(1, "passes over each rollout batch (more than 1 is off-policy: needs a loss with a ratio: grpo_clip, grpo_no_clip or gspo)")
     cliprange: float = arg(0.2, "clip epsilon (lower side, and upper side unless --cliprange_high); GSPO clips a sequence ratio, which moves far less: its paper uses 3e-4 (and 4e-4 above)")
     cliprange_high: float | None = arg(None, "upper clip epsilon for clip-higher (DAPO uses 0.28)")
@@ -500,7 +502,9 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
             gae["gamma"] = f"outside gae and reinforce_pp (this run's --advantage_estimator is {self.advantage_estimator})"
         kl = {name: "with --kl_coef 0 (no KL term)" for name in ("kl_estimator", "kl_in_reward")} if not self.kl_coef else {}
         generated = {} if self.dataset.startswith("rg:") else {"rg_size": f"with --dataset {self.dataset} (not an rg: task)"}
-        return {**super().moot(), **gae, **kl, **no_periodic_eval(self), **generated}
+        rows = {"train_mini_batch_size": f"with --microbatch_tokens {self.microbatch_tokens} (microbatches sized by "
+                                         f"tokens; 0 sizes them by rows)"} if self.microbatch_tokens else {}
+        return {**super().moot(), **gae, **kl, **no_periodic_eval(self), **generated, **rows}
 
     def check(self):
         check_values(self)
@@ -557,7 +561,7 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
             raise ValueError(f"--rollout_batch_size {self.rollout_batch_size} must be a multiple of --train_batch_size {self.train_batch_size}.")
         if self.train_batch_size % self.group_size:
             raise ValueError("--train_batch_size must be a multiple of --group_size so groups are not split across optimizer steps.")
-        if self.train_batch_size % self.train_mini_batch_size:
+        if self.train_batch_size % self.train_mini_batch_size and not self.microbatch_tokens:
             raise ValueError(f"--train_batch_size {self.train_batch_size} must be a multiple of --train_mini_batch_size {self.train_mini_batch_size}.")
         off_policy = self.epochs_per_rollout_batch > 1 or self.rollout_batch_size > self.train_batch_size
         if off_policy and self.loss_type not in ("grpo_clip", "grpo_no_clip", "gspo"):

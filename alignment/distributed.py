@@ -109,11 +109,15 @@ def even_out(count: int) -> int:
 
 
 def microbatches(items: list, size: int, collective: bool) -> list[list]:
-    """`items` in consecutive parts of `size`. `collective` (a sharded model runs on each part): as many
-    parts as the busiest rank has, the extra ones empty, on which the caller runs a dummy forward (and
-    backward) so that every rank's collectives line up."""
-    parts = -(-len(items) // size)
-    return [items[i * size:(i + 1) * size] for i in range(even_out(parts) if collective else parts)]
+    """`items` in consecutive parts of `size`, evened out over ranks when `collective` (see `evened`)."""
+    return evened([items[i:i + size] for i in range(0, len(items), size)], collective)
+
+
+def evened(parts: list[list], collective: bool) -> list[list]:
+    """`parts`; when `collective` (a sharded model runs on each part), as many as the busiest rank has, the
+    extra ones empty, on which the caller runs a dummy forward (and backward) so that every rank's
+    collectives line up."""
+    return parts + [[] for _ in range(even_out(len(parts)) - len(parts))] if collective else parts
 
 
 def _to_backend(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ update needs: padded (rows, T) tensors over the kept traces' rows, in trace orde
 gives each train batch its loss weights once and each microbatch its slice on the policy's device.
 """
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts
 from alignment.grpo import compute_group_normalized_rewards, filter_pools, loss_weights, reward_metrics
 from alignment.rollout import Rollout, traces
 from alignment.sampling import SamplingParams, derive_seed
-from alignment.tokens import rollout_log_probs, rollout_values
+from alignment.tokens import rollout_log_probs, rollout_values, to_device
 
 
 @dataclass
@@ -105,20 +106,39 @@ class Experience:
         return policy, value
 
     def microbatch(self, rows: list[int], device) -> Microbatch:
-        """The slice of `rows`, cut to their longest response, on `device`."""
+        """The slice of `rows`, cut to their longest response, on `device` (to CUDA without a host sync:
+        `tokens.to_device`)."""
         width = max(len(self.rows[i].response_ids) for i in rows)
 
-        def take(tensor):
-            return None if tensor is None else tensor[rows, :width].to(device)
-        advantages = self.advantages[rows]
+        def take(tensor):  # (rows, T) cut to the width; (rows,) and (rows, 1) whole
+            if tensor is None:
+                return None
+            return to_device(tensor[rows, :width] if tensor.dim() == 2 and tensor.shape[1] > 1 else tensor[rows], device)
         return Microbatch(prompts=[self.rows[i].prompt_ids for i in rows],
                           responses=[self.rows[i].response_ids for i in rows], mask=take(self.mask),
-                          advantages=(advantages if advantages.shape[1] == 1 else advantages[:, :width]).to(device),
+                          advantages=take(self.advantages),
                           sampler_log_probs=take(self.sampler_log_probs), old_log_probs=take(self.old_log_probs),
                           ref_log_probs=take(self.ref_log_probs), old_values=take(self.old_values),
-                          returns=take(self.returns),
-                          sequence_log_ratio=None if self.sequence_log_ratio is None else self.sequence_log_ratio[rows].to(device),
-                          sequence_tokens=None if self.sequence_tokens is None else self.sequence_tokens[rows].to(device))
+                          returns=take(self.returns), sequence_log_ratio=take(self.sequence_log_ratio),
+                          sequence_tokens=take(self.sequence_tokens))
+
+    def token_microbatches(self, rows: list[int], budget: int) -> list[list[int]]:
+        """`rows` in consecutive microbatches of at most `budget` prompt + response tokens (an upper bound on a
+        forward's tokens: a group's prompt runs once), each group (consecutive rows with one prompt) whole where
+        it fits, so that it packs into one row (tokens.rollout_log_probs); a larger group is cut between its
+        rows, and a row above `budget` is a microbatch of its own."""
+        parts, used = [], 0
+        for _, group in itertools.groupby(rows, key=lambda i: self.rows[i].prompt_ids):
+            sizes = {i: len(self.rows[i].prompt_ids) + len(self.rows[i].response_ids) for i in group}
+            units = [list(sizes)] if sum(sizes.values()) <= budget else [[i] for i in sizes]
+            for unit in units:
+                size = sum(sizes[i] for i in unit)
+                if not parts or used + size > budget:
+                    parts.append([])
+                    used = 0
+                parts[-1] += unit
+                used += size
+        return parts
 
 
 def questions_at(rows: list[dict], position: int, count: int, seed: int) -> list[dict]:

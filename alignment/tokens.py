@@ -24,8 +24,11 @@ ENTROPY_CHUNK_POSITIONS = 1024  # positions per entropy chunk: 1024 x 152k vocab
 # a group whose prompt and responses fit in this many tokens runs as one packed row (see _packed_log_probs):
 # one forward for all such groups of a microbatch instead of two per group; above it, the attention over the
 # packed row (computed in full, mask and all) costs more than the forward it saves (docs/results.md,
-# "Packed groups")
+# "Packed groups"). On CUDA a launch costs more than the attention a larger packed row adds, so the cap is
+# larger there: CUDA_PACK_TOKENS packs a group of 8 answers of 256 tokens and its prompt (the 1.5B pass's shape,
+# ~2,200 tokens); not yet measured on a GPU
 PACK_TOKENS = 512
+CUDA_PACK_TOKENS = 4096
 
 
 def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str],
@@ -46,6 +49,19 @@ def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str],
         ids[row, :len(prompt) + len(output)] = torch.tensor(prompt + output, dtype=torch.long)
         is_output[row, len(prompt):len(prompt) + len(output)] = 1
     return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "response_mask": is_output[:, 1:]}
+
+
+def pack_tokens(device) -> int:
+    """The largest group (prompt and responses) that runs as one packed row on `device`."""
+    return CUDA_PACK_TOKENS if torch.device(device).type == "cuda" else PACK_TOKENS
+
+
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device`. To CUDA through pinned memory, without blocking: a copy from pageable memory
+    makes the host wait for it (a sync), one from pinned memory is queued on the stream like a kernel (torch
+    keeps the pinned block until the copy is done). Elsewhere a plain `.to`."""
+    on_cuda = torch.device(device).type == "cuda"
+    return (tensor.pin_memory() if on_cuda else tensor).to(device, non_blocking=on_cuda)
 
 
 def compute_entropy(logits: torch.Tensor, chunk_positions: int = ENTROPY_CHUNK_POSITIONS) -> torch.Tensor:
@@ -119,8 +135,8 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     Same numbers as `get_response_log_probs` on the concatenated rows, computed with less work: rows that
     share a prompt (the group_size responses to one question) run that prompt through the model once,
     with gradient, and attend to copies of its KV cache; and the vocab projection is applied only at
-    response positions, never over the prompt. Small groups (a prompt and its responses within PACK_TOKENS)
-    go further: each is one packed row, and all of them one forward (`_packed_log_probs`).
+    response positions, never over the prompt. Small groups (a prompt and its responses within
+    `pack_tokens(device)`) go further: each is one packed row, and all of them one forward (`_packed_log_probs`).
 
     `shared`: the prompts that several microbatches of one optimizer step share run once for all of them
     (see `SharedPrompts`).
@@ -140,7 +156,7 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     row_log_probs, row_entropy = [None] * len(prompts), [None] * len(prompts)
     packed = {prompt: rows for prompt, rows in by_prompt.items()
               if (shared is None or prompt not in shared.prompts)
-              and _packed_length(prompt, rows, responses) <= PACK_TOKENS} if packs(model) else {}
+              and _packed_length(prompt, rows, responses) <= pack_tokens(device)} if packs(model) else {}
     if packed:
         _packed_log_probs(model, packed, responses, temperature, return_token_entropy, entropy_grad, row_log_probs,
                           row_entropy)
@@ -148,13 +164,14 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
     for prompt, rows in by_prompt.items():
         group = [responses[r] for r in rows]
         width = max(len(r) for r in group)
-        ids = torch.zeros(len(group), width, dtype=torch.long, device=device)  # (G, T), padded with 0
+        ids = torch.zeros(len(group), width, dtype=torch.long)  # (G, T), padded with 0; built on the host
         for i, response in enumerate(group):
             ids[i, :len(response)] = torch.tensor(response, dtype=torch.long)
+        ids = to_device(ids, device)
         if shared is not None and prompt in shared.prompts:
             cache, last = shared.forward(decoder, prompt, device)
         else:
-            out = decoder(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+            out = decoder(input_ids=to_device(torch.tensor([prompt]), device), use_cache=True)
             cache, last = out.past_key_values, out.last_hidden_state[:, -1:]
         hidden = last.expand(len(group), 1, -1)  # (G, 1, d): predicts token 0
         if width > 1:
@@ -163,9 +180,11 @@ def rollout_log_probs(model, prompts: list[list[int]], responses: list[list[int]
             rest = decoder(input_ids=ids[:, :-1], position_ids=positions, past_key_values=cache, use_cache=True)
             hidden = torch.cat([hidden, rest.last_hidden_state], dim=1)  # (G, T, d)
         lengths = [len(r) for r in group]
-        real = torch.arange(width, device=device) < torch.tensor(lengths, device=device)[:, None]  # (G, T)
-        log_probs, entropy = head_log_probs(model, hidden[real], ids[real], temperature, return_token_entropy,
-                                            entropy_grad)  # (n,): the real response positions only, row by row
+        # the real response positions only, row by row, as indices from the host (a boolean mask syncs on a GPU)
+        real = to_device(torch.cat([torch.arange(n) + i * width for i, n in enumerate(lengths)]), device)  # (n,)
+        labels = to_device(torch.tensor([t for response in group for t in response], dtype=torch.long), device)
+        log_probs, entropy = head_log_probs(model, hidden.flatten(0, 1)[real], labels, temperature,
+                                            return_token_entropy, entropy_grad)  # (n,)
         for row, piece in zip(rows, log_probs.split(lengths)):
             row_log_probs[row] = piece
         for row, piece in zip(rows, entropy.split(lengths) if entropy is not None else ()):
@@ -231,10 +250,10 @@ def _packed_log_probs(model, groups: dict[tuple, list[int]], responses, temperat
             start += rest
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     mask = causal & ((block[:, :, None] == block[:, None, :]) | (block[:, None, :] == 0))  # (G, L, L)
-    hidden = model.get_decoder()(input_ids=ids.to(device), position_ids=positions.to(device),
-                                 attention_mask=mask[:, None].to(device), use_cache=False).last_hidden_state
-    where = torch.tensor(picks, dtype=torch.long, device=device).reshape(-1, 2)
-    labels = torch.tensor([t for row in order for t in responses[row]], dtype=torch.long, device=device)
+    hidden = model.get_decoder()(input_ids=to_device(ids, device), position_ids=to_device(positions, device),
+                                 attention_mask=to_device(mask[:, None], device), use_cache=False).last_hidden_state
+    where = to_device(torch.tensor(picks, dtype=torch.long).reshape(-1, 2), device)
+    labels = to_device(torch.tensor([t for row in order for t in responses[row]], dtype=torch.long), device)
     log_probs, entropy = head_log_probs(model, hidden[where[:, 0], where[:, 1]], labels, temperature,
                                         return_token_entropy, entropy_grad)  # (n,)
     lengths = [len(responses[row]) for row in order]
@@ -266,7 +285,7 @@ class SharedPrompts:
     def forward(self, decoder, prompt: tuple, device) -> tuple:
         """(a cache of its own, the last hidden state) of `prompt`, run on its first use."""
         if prompt not in self._runs:
-            out = decoder(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+            out = decoder(input_ids=to_device(torch.tensor([prompt]), device), use_cache=True)
             cache = out.past_key_values
             outputs = [out.last_hidden_state[:, -1:]] + [t for layer in cache.layers for t in (layer.keys, layer.values)]
             leaves = outputs
@@ -386,20 +405,14 @@ def check_output_head(model):
 
 def _one_forward_log_probs(model, prompts, responses, return_token_entropy, temperature, entropy_grad) -> dict:
     device = next(model.parameters()).device
-    rows = [list(p) + list(r[:-1]) for p, r in zip(prompts, responses)]
-    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long, device=device)  # right padding
-    for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-    logits = model(input_ids=ids).logits  # (B, L, V)
+    logits = model(input_ids=_right_padded(prompts, responses, device)).logits  # (B, L, V)
     logits = torch.nn.utils.rnn.pad_sequence(
         [logits[i, len(p) - 1:len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(prompts, responses))],
         batch_first=True)  # (B, T, V): the positions that predict response tokens
     logits = _tempered(logits, temperature)
-    labels = torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=torch.long) for r in responses],
-                                             batch_first=True).to(device)
-    valid = labels.new_zeros(labels.shape, dtype=torch.bool)
-    for i, r in enumerate(responses):
-        valid[i, :len(r)] = True
+    labels = to_device(torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=torch.long) for r in responses],
+                                                       batch_first=True), device)
+    valid = to_device(torch.arange(labels.shape[1]) < torch.tensor([len(r) for r in responses])[:, None], device)
     log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     result = {"log_probs": torch.where(valid, log_probs, 0.0)}
     if return_token_entropy:
@@ -412,14 +425,20 @@ def rollout_values(critic, prompts: list[list[int]], responses: list[list[int]])
     """The critic's value of the state before each response token, V(prompt, response_<t), (B, T)
     right-padded to the longest response (padding reads 0), differentiable: the same positions as the
     log-probs, so values[:, t] is the value of the state in which response token t was chosen."""
-    device = next(critic.parameters()).device
-    rows = [list(p) + list(r[:-1]) for p, r in zip(prompts, responses)]
-    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long, device=device)  # right padding:
-    for i, row in enumerate(rows):  # causal attention never looks right, so no mask is needed
-        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+    ids = _right_padded(prompts, responses, next(critic.parameters()).device)
     scores = critic(input_ids=ids).logits[..., 0].float()  # (B, L)
     values = [scores[i, len(p) - 1:len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(prompts, responses))]
     return torch.nn.utils.rnn.pad_sequence(values, batch_first=True)
+
+
+def _right_padded(prompts, responses, device) -> torch.Tensor:
+    """Each row's prompt and response but its last token, right-padded with 0 (causal attention never looks
+    right, so no mask is needed), (B, L) on `device`: built on the host, copied once."""
+    rows = [list(p) + list(r[:-1]) for p, r in zip(prompts, responses)]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+    return to_device(ids, device)
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -39,10 +39,15 @@ from alignment.experience import Experience, SamplingStopped, build_experience, 
 from alignment.grpo import policy_microbatch_train_step, weighted_sum
 from alignment.run import Run
 from alignment.sampling import HFSampler, SamplingParams, WeightPush, derive_seed, make_sampler, pick_backend
-from alignment.tokens import SharedPrompts, rollout_log_probs, rollout_values
+from alignment.tokens import SharedPrompts, rollout_log_probs, rollout_values, to_device
 
 RESUMABLE_CHANGES = {"n_steps"}  # flags a resumed run may change, besides the run folder's own (run.py)
 MAX_BAD_STEPS = 3  # consecutive non-finite losses or gradients before the run aborts
+# --microbatch_tokens' default on CUDA, where the train phase is bound by launches (docs/results.md, "Second pass:
+# the train phase under the profiler"): the 1.5B pass's whole train batch (64 rows of a prompt and 256 answer
+# tokens) in one microbatch. Its peak memory with 16-row microbatches (38.7 GiB of the H200's 139) puts this at
+# roughly 100 GiB; not yet measured on a GPU (a smaller GPU or a larger model: lower --microbatch_tokens)
+CUDA_MICROBATCH_TOKENS = 32_768
 
 
 def make_scorer(args: RLArgs):
@@ -121,11 +126,17 @@ def main(args: RLArgs) -> dict:
     if args.async_steps and backend == "hf" and roles["policy"] == [roles["sample"]]:
         raise UserError("--async_steps 1 samples while the policy trains, so the sampler needs weights of its own: "
                         "use --backend vllm, or put the sampler on another device with --sample_device.")
+    tokens = microbatch_tokens(args, roles["policy"][0])
+    microbatch = f"up to {tokens} tokens" if tokens else f"{args.train_mini_batch_size} rows"
+    if tokens and "train_mini_batch_size" in getattr(args, "given_flags", ()):  # (given both: refused at parse)
+        run.say(f"[train_rl] --train_mini_batch_size is not used on {roles['policy'][0]}, where microbatches are sized "
+                f"by tokens (--microbatch_tokens, default {tokens} there): add --microbatch_tokens 0 for rows.")
     run.say(f"[train_rl] {args.loss_type} loss, {args.advantage_estimator} advantages"
             f"{' (the raw reward)' if args.advantage_estimator == 'none' else ''}, rollout correction {args.rollout_is}"
             f"{f' ({args.rollout_is_level} level)' if args.rollout_is != 'none' else ''}, on {args.dataset} from {run.weights}; "
             f"devices {roles}; sampler {backend}; precision {models.resolve_precision(args.precision, roles['policy'][0])}"
-            f" ({args.precision}); {distributed.world_size()} process(es){' (torchrun, FSDP2)' if device else ''}; "
+            f" ({args.precision}); microbatches of {microbatch}; "
+            f"{distributed.world_size()} process(es){' (torchrun, FSDP2)' if device else ''}; "
             f"run folder {run.dir}")
     if args.sampling_min_tokens:
         run.say(f"[train_rl] warning: --sampling_min_tokens {args.sampling_min_tokens} keeps the sampler from ending "
@@ -334,6 +345,14 @@ class _Means:
         return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
 
 
+def microbatch_tokens(args, device) -> int:
+    """Tokens per microbatch on `device`, 0 for microbatches of --train_mini_batch_size rows: --microbatch_tokens,
+    else CUDA_MICROBATCH_TOKENS on CUDA and rows elsewhere (what was measured best on CPU)."""
+    if args.microbatch_tokens is not None:
+        return args.microbatch_tokens
+    return CUDA_MICROBATCH_TOKENS if torch.device(device).type == "cuda" else 0
+
+
 def _update(args, m: Models, exp: Experience, groups: int, step: int, train: _Means, push, bad_steps: int,
             checkpoint) -> int:
     """Epochs x train batches of optimizer steps on one step's experience; the policy waits out the critic
@@ -376,8 +395,9 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
                         kl_coef=0.0 if args.kl_in_reward else args.kl_coef,  # in the reward it shaped the advantages
                         kl_estimator=args.kl_estimator, entropy_coef=args.entropy_coef)
     device, sharded = next(m.policy.parameters()).device, distributed.launched()
-    losses = []
-    parts = distributed.microbatches(rows, args.train_mini_batch_size, sharded)
+    losses, budget, size = [], microbatch_tokens(args, device), args.train_mini_batch_size
+    parts = distributed.evened(exp.token_microbatches(rows, budget) if budget else
+                               [rows[i:i + size] for i in range(0, len(rows), size)], sharded)
     # a prompt whose group spans microbatches runs once (FSDP: one whole-model call per microbatch instead)
     shared = None if sharded else SharedPrompts([[exp.rows[i].prompt_ids for i in part] for part in parts])
     for part in parts:
@@ -391,7 +411,8 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
         if m.critic is not None:  # PPO's value loss, token-mean over the train batch (clipped, eq. 9)
             values = rollout_values(m.critic, mb.prompts, mb.responses)
             value_loss, value_meta = compute_value_loss(values, mb.old_values, mb.returns, mb.mask, args.cliprange_value)
-            (weighted_sum(value_loss, mb.mask, value_weights[part]) * args.value_loss_coef).backward()
+            (weighted_sum(value_loss, mb.mask, to_device(value_weights[part], values.device))
+             * args.value_loss_coef).backward()
             train.add("value_loss", torch.where(mb.mask.bool(), value_loss.detach(), 0.0).sum() * per_token, tokens)
             train.add("value_clip_fraction", value_meta["clipped"].float().sum() * per_token, tokens)
         with torch.set_grad_enabled(learn):  # during the critic warm-up the policy's forward only logs
@@ -403,7 +424,8 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
         old = log_probs.detach() if mb.old_log_probs is None else mb.old_log_probs
         is_weights = _rollout_correction(args, old, mb, train, tokens)
         if learn:
-            loss, meta = policy_microbatch_train_step(log_probs, mb.mask, policy_weights[part], mb.advantages, old,
+            weights = to_device(policy_weights[part], device)
+            loss, meta = policy_microbatch_train_step(log_probs, mb.mask, weights, mb.advantages, old,
                                                       ref_log_probs=mb.ref_log_probs, rollout_is_weights=is_weights,
                                                       token_entropy=out["token_entropy"], **loss_options)
             losses.append(loss)

@@ -22,10 +22,12 @@ built from a config (the 514 MB SmolLM2 weights cannot travel): right for speed 
   sft          sft, 5 steps; then evaluate: evaluate --limit 16 on its result
   qwen_shape   (last: the longest) train_rl with Qwen2.5-Math-1.5B's architecture (28 layers, hidden
                1536, 12 heads, 2 KV heads, MLP 8960, tied embeddings, SmolLM2's vocabulary), 8 questions x group 8, answers
-               forced to 256 tokens, 4 steps: s/step, generated tokens/s, peak GPU memory, train-phase MFU
-               (steps 2-3); step 4's train phase under torch.profiler: GPU-busy fraction (kernel time over
-               wall time), aten operations, kernel launches, host syncs, and DIR/qwen_run_profile.txt (top
-               operations by GPU time and by CPU self time); allocator retries
+               forced to 256 tokens, microbatches of up to 32,768 tokens (--microbatch_tokens, CUDA's default: the
+               whole train batch in one; the passes of 2026-11-26 and -28 ran 4 of 16 rows), 4 steps: s/step,
+               generated tokens/s, peak GPU memory, train-phase MFU (steps 2-3); step 4's train phase under
+               torch.profiler: GPU-busy fraction (kernel time over wall time), aten operations, kernel launches,
+               host syncs, and DIR/qwen_run_profile.txt (top operations by GPU time and by CPU self time);
+               allocator retries
 MFU of the train phase = 6 N (prompt tokens once per question + every response token) / (train seconds
 x the measured bf16 matmul rate): the least work a step needs, as in bench/rl_step.py's floors.
 """
@@ -103,11 +105,11 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
     rl = [*small, "--rg_size", "200", "--backend", "hf", "--precision", "auto"]
     in_process = [*python, __file__, "stage", "--work", str(work), "--name"]  # train_rl.main, then its peak memory
     qwen = ["--model", str(work / "qwen"), "--group_size", "8", "--rollout_batch_size", "64", "--train_batch_size", "64",
-            "--train_mini_batch_size", "16", "--sample_batch_size", "64", "--sampling_max_tokens", "256",
+            "--microbatch_tokens", "32768", "--sample_batch_size", "64", "--sampling_max_tokens", "256",
             "--sampling_min_tokens", "256", "--log_rollouts", "64", "--n_steps", "4"]
     if args.tiny:
         qwen = ["--model", str(work / "qwen"), "--group_size", "4", "--rollout_batch_size", "8", "--train_batch_size",
-                "8", "--train_mini_batch_size", "4", "--sampling_max_tokens", "16", "--sampling_min_tokens", "16",
+                "8", "--microbatch_tokens", "32768", "--sampling_max_tokens", "16", "--sampling_min_tokens", "16",
                 "--log_rollouts", "8", "--n_steps", "4"]
     torchrun = [*python, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29517"]
     fsdp = ["-m", "alignment.train_rl", *rl, "--n_steps", "2", "--eval_every", "0", "--save_every", "1", "--output_dir", str(work / "fsdp")]

@@ -88,14 +88,16 @@ def test_torchrun_with_one_process_shards_and_takes_the_same_steps(tiny_model_di
     assert_same_training(tmp_path)
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "reinforce_pp_baseline"])
-def test_a_rank_with_nothing_to_train_joins_every_collective(tiny_model_dir, tmp_path, estimator):
+@pytest.mark.parametrize("estimator,microbatch_tokens", [("grpo", None), ("reinforce_pp_baseline", None),
+                                                         ("grpo", 1000)])  # rows; microbatches sized by tokens
+def test_a_rank_with_nothing_to_train_joins_every_collective(tiny_model_dir, tmp_path, estimator, microbatch_tokens):
     """Dynamic sampling drops all of rank 1's groups: it must still match rank 0's forward/backward calls
     (dummy microbatches) and whitening's global sums, and the update equals one process's on the same
     kept groups."""
     for processes in (1, 2):
         settings = rl_settings(tiny_model_dir, tmp_path / f"p{processes}", filter_low=0.0, max_sampling_rounds=1,
-                               advantage_estimator=estimator, rollout_is="none")  # scripted: no sampler log-probs
+                               advantage_estimator=estimator, rollout_is="none",  # scripted: no sampler log-probs
+                               microbatch_tokens=microbatch_tokens)
         run({**settings, "fixed_rollouts": True, "uneven": True}, processes, tmp_path, timeout=300)
     metrics = read_jsonl(tmp_path / "p2" / "metrics.jsonl")
     assert [m["kept_traces"] for m in metrics] == [4, 4]  # half the batch: rank 0's groups only
