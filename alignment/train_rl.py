@@ -38,7 +38,7 @@ from alignment.evaluate import PROMPT_SETTINGS, check_context, context_need, eva
 from alignment.experience import Experience, SamplingStopped, build_experience, collect_rollouts
 from alignment.grpo import policy_microbatch_train_step, weighted_sum
 from alignment.run import Run
-from alignment.sampling import HFSampler, SamplingParams, WeightPush, derive_seed, make_sampler, pick_backend
+from alignment.sampling import SamplingParams, WeightPush, derive_seed, hf_sampler, make_sampler, pick_backend
 from alignment.tokens import SharedPrompts, rollout_log_probs, rollout_values, to_device
 
 RESUMABLE_CHANGES = {"n_steps"}  # flags a resumed run may change, besides the run folder's own (run.py)
@@ -291,15 +291,16 @@ def load_models(args: RLArgs, run: Run, roles: dict, device: str, backend: str) 
 
     def copy(name, role):  # a model that is only run, in the run's precision on its device
         return models.load_model(name, roles[role], models.default_dtype(roles[role], args.precision))
-    if backend == "hf":  # sharing the policy, it samples under the policy's autocast
-        shares = roles["policy"] == [roles["sample"]] and not device
-        sampler = HFSampler(policy if shares else copy(run.weights, "sample"), tokenizer, args.sample_batch_size)
+    if backend == "hf":  # sharing the policy, it samples under the policy's autocast; on CUDA its own bf16 copy
+        # (pushed after each update), so the compiled decode step reads bf16 weights instead of casting fp32 ones
+        shares = roles["policy"] == [roles["sample"]] and not device and not roles["sample"].startswith("cuda")
+        sampler = hf_sampler(policy if shares else copy(run.weights, "sample"), tokenizer, args.sample_batch_size)
     else:
         sampler = make_sampler(backend, None, tokenizer, models.resolve_model(run.weights), roles["sample"],
                                seed=args.seed, **args.vllm_options())
     # LoRA: the policy with its adapters off is the start model (build_experience runs it in lora.frozen)
     reference = (policy if lora.is_lora(policy) else copy(run.start_model, "reference")) if args.kl_coef > 0 else None
-    eval_sampler = sampler if roles["eval"] == roles["sample"] else HFSampler(
+    eval_sampler = sampler if roles["eval"] == roles["sample"] else hf_sampler(
         policy if roles["eval"] in roles["policy"] else copy(run.weights, "eval"), tokenizer)
     optimizer = models.adamw(lora.trainable_parameters(policy), lr=args.learning_rate,
                              weight_decay=args.weight_decay, betas=(0.9, 0.95))
