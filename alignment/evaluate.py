@@ -192,7 +192,8 @@ def main(args: EvalArgs) -> dict:
                       args.chat_template, need, args.model, length)
     model = models.load_model(args.model, device, models.default_dtype(device, args.precision)) if backend == "hf" else None
     sampler = make_sampler(backend, model, tokenizer, models.resolve_model(args.model), device,
-                           batch_size=args.batch_size, seed=args.seed, progress=True, **args.vllm_options())
+                           batch_size=args.batch_size, seed=args.seed, progress=True, decoding=args.hf_decoding,
+                           **args.vllm_options())
     params = SamplingParams(n=args.n_samples, temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)
     summary, records = evaluate(sampler, tokenizer, subset, args.prompt, params, args.chat_template,

@@ -104,7 +104,8 @@ def main(args: EIArgs) -> dict:
     if device.startswith("cuda"):
         model.gradient_checkpointing_enable()
     sampler = make_sampler(backend, model, tokenizer, models.resolve_model(run.weights), device,
-                           batch_size=args.sample_batch_size, seed=args.seed, **args.vllm_options())
+                           batch_size=args.sample_batch_size, seed=args.seed, decoding=args.hf_decoding,
+                           **args.vllm_options())
     push = WeightPush(model)
     state = run.restore(model, None) or {}  # each step's fine-tuning starts a fresh optimizer: none to restore
     generated_tokens = state.get("generated_tokens", 0)  # cumulative: compares EI with RL at equal sampling work

@@ -375,19 +375,24 @@ class WeightPush:
 
 
 def make_sampler(backend: str, model, tokenizer, model_path: str | None = None, device: str = "cpu",
-                 batch_size: int = 32, seed: int = 0, progress: bool = False, **vllm_options):
-    """`backend` is already resolved by pick_backend (hf or vllm); `vllm_options` go to VLLMSampler
-    (gpu_memory_utilization, kv_cache_gib, max_model_len, enforce_eager)."""
+                 batch_size: int = 32, seed: int = 0, progress: bool = False, decoding: str = "auto", **vllm_options):
+    """`backend` is already resolved by pick_backend (hf or vllm); `decoding` is the HF sampler's (hf_sampler),
+    `vllm_options` go to VLLMSampler (gpu_memory_utilization, kv_cache_gib, max_model_len, enforce_eager)."""
     if backend == "vllm":
         return VLLMSampler(model_path, device, seed=seed, progress=progress, **vllm_options)
-    return hf_sampler(model, tokenizer, batch_size=batch_size, progress=progress)
+    return hf_sampler(model, tokenizer, batch_size=batch_size, progress=progress, decoding=decoding)
 
 
-def hf_sampler(model, tokenizer, batch_size: int = 32, progress: bool = False) -> HFSampler:
-    """The transformers sampler for `model`: on CUDA the static-shape one with its decode step compiled
-    (alignment/static_sampler.py), when the model's cache can be static; elsewhere the reference loop
-    (on the CPU the two measure alike: docs/results.md, "A sampler at the GPU's pace")."""
-    if model.device.type == "cuda" and getattr(model, "_can_compile_fullgraph", False):
+def hf_sampler(model, tokenizer, batch_size: int = 32, progress: bool = False, decoding: str = "auto") -> HFSampler:
+    """The transformers sampler for `model` (`--hf_decoding`): `static`, the static-shape one
+    (alignment/static_sampler.py, its decode step compiled on CUDA); `loop`, the reference loop; `auto`, static
+    on CUDA and the loop elsewhere (docs/results.md, "A sampler at the GPU's pace")."""
+    if decoding == "auto":
+        decoding = "static" if model.device.type == "cuda" else "loop"
+    if decoding == "static":
+        if not getattr(model, "_can_compile_fullgraph", False):
+            raise UserError(f"--hf_decoding static needs a model whose cache can be static, and "
+                            f"{type(model).__name__}'s cannot: use --hf_decoding loop.")
         from alignment.static_sampler import StaticSampler
         return StaticSampler(model, tokenizer, batch_size=batch_size, progress=progress)
     return HFSampler(model, tokenizer, batch_size=batch_size, progress=progress)

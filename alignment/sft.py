@@ -316,7 +316,7 @@ def _eval_sampler(args: SFTArgs, run: Run, model, tokenizer, device: str, input_
     eval_model = (models.load_model(run.weights, input_device, models.default_dtype(input_device, args.precision))
                   if device else model)
     return make_sampler(backend, eval_model, tokenizer, models.resolve_model(run.weights), input_device,
-                        batch_size=args.eval_batch_size, seed=args.seed, **args.vllm_options())
+                        batch_size=args.eval_batch_size, seed=args.seed, decoding=args.hf_decoding, **args.vllm_options())
 
 
 if __name__ == "__main__":

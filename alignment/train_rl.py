@@ -293,15 +293,17 @@ def load_models(args: RLArgs, run: Run, roles: dict, device: str, backend: str) 
         return models.load_model(name, roles[role], models.default_dtype(roles[role], args.precision))
     if backend == "hf":  # sharing the policy, it samples under the policy's autocast; on CUDA its own bf16 copy
         # (pushed after each update), so the compiled decode step reads bf16 weights instead of casting fp32 ones
-        shares = roles["policy"] == [roles["sample"]] and not device and not roles["sample"].startswith("cuda")
-        sampler = hf_sampler(policy if shares else copy(run.weights, "sample"), tokenizer, args.sample_batch_size)
+        static = args.hf_decoding == "static" or (args.hf_decoding == "auto" and roles["sample"].startswith("cuda"))
+        shares = roles["policy"] == [roles["sample"]] and not device and not (static and roles["sample"].startswith("cuda"))
+        sampler = hf_sampler(policy if shares else copy(run.weights, "sample"), tokenizer, args.sample_batch_size,
+                             decoding=args.hf_decoding)
     else:
         sampler = make_sampler(backend, None, tokenizer, models.resolve_model(run.weights), roles["sample"],
                                seed=args.seed, **args.vllm_options())
     # LoRA: the policy with its adapters off is the start model (build_experience runs it in lora.frozen)
     reference = (policy if lora.is_lora(policy) else copy(run.start_model, "reference")) if args.kl_coef > 0 else None
     eval_sampler = sampler if roles["eval"] == roles["sample"] else hf_sampler(
-        policy if roles["eval"] in roles["policy"] else copy(run.weights, "eval"), tokenizer)
+        policy if roles["eval"] in roles["policy"] else copy(run.weights, "eval"), tokenizer, decoding=args.hf_decoding)
     optimizer = models.adamw(lora.trainable_parameters(policy), lr=args.learning_rate,
                              weight_decay=args.weight_decay, betas=(0.9, 0.95))
     critic = critic_optimizer = None

@@ -417,6 +417,7 @@ def test_answers_longer_than_the_models_context_are_refused_before_weights_load(
     (EvalArgs, ["--rollout_mode", "delethink", "--max_tokens", "64"], "--max_tokens 64 has no effect in --rollout_mode delethink"),
     (RLArgs, ["--dataset", "gsm8k", "--rg_size", "100"], "--rg_size 100 has no effect with --dataset gsm8k (not an rg: task)"),
     (EIArgs, ["--dataset", "gsm8k", "--rg_size", "100"], "--rg_size 100 has no effect with --dataset gsm8k (not an rg: task)"),
+    (EvalArgs, ["--backend", "vllm", "--hf_decoding", "loop"], "--hf_decoding loop has no effect with --backend vllm"),
 ])
 def test_a_flag_that_another_flag_makes_moot_is_refused_not_dropped(cls, argv, moot, capsys):
     with pytest.raises(SystemExit):

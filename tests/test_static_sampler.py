@@ -193,3 +193,32 @@ def test_the_decode_step_compiles_into_one_graph_without_recompiling(tiny_model,
     # the compiled sampler buckets the width and pads the batch: the same tokens all the same
     assert _tokens(first) == _tokens(eager.generate(PROMPTS[:2], params))
     assert _tokens(second) == _tokens(eager.generate(PROMPTS[2:], params))
+
+
+def test_hf_decoding_picks_the_sampler_and_refuses_what_cannot_work(tiny_model, tokenizer):
+    from alignment.errors import UserError
+    from alignment.sampling import hf_sampler
+    assert type(hf_sampler(tiny_model, tokenizer)) is HFSampler  # auto on the CPU: the reference loop
+    assert type(hf_sampler(tiny_model, tokenizer, decoding="static")) is StaticSampler
+    assert not hf_sampler(tiny_model, tokenizer, decoding="static").compile  # compiled only on CUDA
+    scripted = ScriptedLM([1, 2], len(tokenizer), tokenizer.eos_token_id)
+    with pytest.raises(UserError, match="use --hf_decoding loop"):
+        hf_sampler(scripted, tokenizer, decoding="static")
+
+
+def test_an_rl_run_samples_with_the_static_sampler(tokenizer, tmp_path, monkeypatch):
+    """train_rl --hf_decoding static on the CPU: the run goes through the static sampler and trains."""
+    from alignment import train_rl
+    from alignment.args import RLArgs, parse
+    from tests.conftest import build_tiny_model
+    build_tiny_model(tokenizer).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    used = []
+    real = StaticSampler._generate_batch
+    monkeypatch.setattr(StaticSampler, "_generate_batch", lambda self, *a: used.append(1) or real(self, *a))
+    args = parse(RLArgs, ["--model", str(tmp_path / "tiny"), "--n_steps", "1", "--group_size", "4",
+                          "--rollout_batch_size", "8", "--train_batch_size", "8", "--sampling_max_tokens", "6",
+                          "--eval_every", "0", "--rg_size", "40", "--precision", "fp32", "--hf_decoding", "static",
+                          "--output_dir", str(tmp_path / "run")])
+    metrics = train_rl.main(args)["last_metrics"][-1]
+    assert used and metrics["step"] == 1 and metrics["sampled_tokens"] > 0
