@@ -28,6 +28,8 @@ built from a config (the 514 MB SmolLM2 weights cannot travel): right for speed 
                torch.profiler: GPU-busy fraction (kernel time over wall time), aten operations, kernel launches,
                host syncs, and DIR/qwen_run_profile.txt (top operations by GPU time and by CPU self time);
                allocator retries
+  sampler      (if the budget allows) bench/decode_rate.py on the 1.5B shape: the reference loop and the static
+               sampler (compiled, captured) at batch 64 x 256 tokens, beside a decode step's bandwidth floor
 MFU of the train phase = 6 N (prompt tokens once per question + every response token) / (train seconds
 x the measured bf16 matmul rate): the least work a step needs, as in bench/rl_step.py's floors.
 """
@@ -129,6 +131,10 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
         ("qwen_shape", [*in_process, "qwen_shape", "--profile_step", "4", "--", *qwen, "--rg_size", "200",
                         "--backend", "hf", "--precision", "auto", "--eval_every", "0", "--save_every", "1000",
                         "--output_dir", str(work / "qwen_run")], 300),
+        ("sampler", [*python, "bench/decode_rate.py", "--model", str(work / "qwen"), "--device", args.device,
+                     *(["--batch", "4", "--tokens", "8", "--prompt_tokens", "8"] if args.tiny else
+                       ["--batch", "64", "--tokens", "256", "--prompt_tokens", "100"]),
+                     "--json", str(work / "decode_rate.json")], 180),
     ]
 
 
@@ -379,8 +385,14 @@ def check_evaluate(work, output, env):
     return {k: summary[k] for k in ("count", "avg_format_rewards", "avg_answer_rewards") if k in summary}
 
 
-CHECKS = {"pytest": check_pytest, "rl": check_rl, "qwen_shape": check_qwen, "fsdp": check_fsdp,
-          "fsdp_resume": check_resume, "sft": check_sft, "evaluate": check_evaluate}
+def check_sampler(work, output, env):
+    measured = json.loads((work / "decode_rate.json").read_text())
+    assert measured["loop"]["tokens_per_s"] > 0 and measured["static"]["tokens_per_s"] > 0
+    return measured
+
+
+CHECKS = {"pytest": check_pytest, "rl": check_rl, "fsdp": check_fsdp, "fsdp_resume": check_resume, "sft": check_sft,
+          "evaluate": check_evaluate, "qwen_shape": check_qwen, "sampler": check_sampler}
 
 
 def stage(args, flags: list[str]):

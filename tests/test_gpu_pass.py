@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = {"pytest", "rl", "qwen_shape", "fsdp", "fsdp_resume", "sft", "evaluate"}
+STAGES = {"pytest", "rl", "qwen_shape", "fsdp", "fsdp_resume", "sft", "evaluate", "sampler"}
 
 
 @pytest.mark.slow  # about 5 minutes on 2 cores: seven processes, two of them under torchrun
