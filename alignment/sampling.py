@@ -387,12 +387,15 @@ def hf_sampler(model, tokenizer, batch_size: int = 32, progress: bool = False, d
     """The transformers sampler for `model` (`--hf_decoding`): `static`, the static-shape one
     (alignment/static_sampler.py, its decode step compiled on CUDA); `loop`, the reference loop; `auto`, static
     on CUDA and the loop elsewhere (docs/results.md, "A sampler at the GPU's pace")."""
+    # the static cache here is one of full-attention layers (a sliding window's layers wrap around)
+    static_ok = getattr(model, "_can_compile_fullgraph", False) and all(
+        kind == "full_attention" for kind in getattr(model.config, "layer_types", None) or ())
     if decoding == "auto":
-        decoding = "static" if model.device.type == "cuda" else "loop"
+        decoding = "static" if model.device.type == "cuda" and static_ok else "loop"
     if decoding == "static":
-        if not getattr(model, "_can_compile_fullgraph", False):
-            raise UserError(f"--hf_decoding static needs a model whose cache can be static, and "
-                            f"{type(model).__name__}'s cannot: use --hf_decoding loop.")
+        if not static_ok:
+            raise UserError(f"--hf_decoding static needs a model whose cache can be static, full-attention layers "
+                            f"only, and {type(model).__name__}'s is not: use --hf_decoding loop.")
         from alignment.static_sampler import StaticSampler
         return StaticSampler(model, tokenizer, batch_size=batch_size, progress=progress)
     return HFSampler(model, tokenizer, batch_size=batch_size, progress=progress)

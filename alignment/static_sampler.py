@@ -19,7 +19,9 @@ its batch-mates) with shapes that never change during a batch:
   as the reference does token by token, and stops the batch once every row has finished;
 - on CUDA the decode step (sample a token, run the model on it) is compiled into one graph
   (`torch.compile(mode="reduce-overhead", fullgraph=True)`), with shapes bucketed so that a new batch does not
-  recompile: prompt widths rounded up to WIDTH_BUCKET, every batch padded to the sampler's batch size.
+  recompile: prompt widths rounded up to WIDTH_BUCKET, the cache's room for new tokens to TOKENS_BUCKET
+  (Delethink and TIR rounds ask for ever other budgets), every batch padded to the sampler's batch size;
+  `min_tokens` is a tensor of the state, not a constant of the graph.
 
 The draws differ from the reference's (a hash instead of torch's Philox stream per row), so sampled
 completions differ for the same seed; given the same uniforms both give the same tokens (tests/test_sampling.py).
@@ -33,6 +35,7 @@ from transformers import DynamicCache, StaticCache
 from alignment.sampling import Completion, HFSampler, draw_tokens
 
 WIDTH_BUCKET = 64  # compiled decoding: prompt widths rounded up to a multiple of this (fewer shapes, fewer graphs)
+TOKENS_BUCKET = 256  # compiled decoding: room for new tokens rounded up to a multiple of this
 CHECK_EVERY = 8  # tokens decoded between two host reads
 KEPT_SHAPES = 4  # decoding buffers kept for this many batch shapes (each holds a whole key/value cache)
 
@@ -101,7 +104,8 @@ class StaticSampler(HFSampler):
         prefill = DynamicCache()
         logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                             past_key_values=prefill, use_cache=True, logits_to_keep=1).logits[:, -1]
-        state = self._state(len(seeds), width, width + params.max_tokens, logits.shape[-1], prefill, device)
+        room = -(-params.max_tokens // TOKENS_BUCKET) * TOKENS_BUCKET if self.compile else params.max_tokens
+        state = self._state(len(seeds), width, width + room, logits.shape[-1], prefill, device)
         for layer, prompt_layer in zip(state.cache.layers, prefill.layers):
             layer.keys[:, :, :width].copy_(prompt_layer.keys.repeat_interleave(n, 0))
             layer.values[:, :, :width].copy_(prompt_layer.values.repeat_interleave(n, 0))
@@ -111,6 +115,7 @@ class StaticSampler(HFSampler):
         state.seeds.copy_(request_seeds(seeds, device))
         state.logits.copy_(logits.repeat_interleave(n, 0))
         state.step.zero_()
+        state.min_tokens.fill_(params.min_tokens)
         state.params = params
         advance = self._advance_fn(state)
         finish, generated, checked = [None] * real, [[] for _ in range(real)], 0
@@ -151,7 +156,7 @@ class StaticSampler(HFSampler):
                 seeds=torch.zeros(rows, dtype=torch.long, device=device),
                 attention=torch.zeros(rows, total, dtype=torch.long, device=device),
                 positions=torch.zeros(rows, dtype=torch.long, device=device),
-                step=torch.zeros((), dtype=torch.long, device=device),
+                step=torch.zeros((), dtype=torch.long, device=device), min_tokens=torch.zeros((), dtype=torch.long, device=device),
                 tokens=torch.zeros(rows, total - width, dtype=torch.long, device=device),
                 logprobs=torch.zeros(rows, total - width, device=device),
                 logits=torch.zeros(rows, vocab, device=device))
@@ -181,8 +186,7 @@ class StaticSampler(HFSampler):
     def _advance_fn(self, state: "_State"):
         if not self.compile:
             return _advance
-        key = (state.tokens.shape, state.attention.shape, state.params.temperature, state.params.top_p,
-               state.params.min_tokens)
+        key = (state.tokens.shape, state.attention.shape, state.params.temperature, state.params.top_p)
         if key not in self._compiled:  # one graph per shape and sampling setting, reused by later batches
             compiled = torch.compile(_advance, mode="reduce-overhead", fullgraph=True)
             first = [True]
@@ -211,7 +215,7 @@ class _State:
 def _sample(s: _State) -> torch.Tensor:
     """Draw token `s.step` of every row from `s.logits` (B, V) and record it and its log-prob."""
     params = s.params
-    banned = s.banned & (s.step < params.min_tokens)  # EOS cannot end a row before min_tokens
+    banned = s.banned & (s.step < s.min_tokens)  # EOS cannot end a row before min_tokens
     logits = s.logits.masked_fill(banned, float("-inf"))
     tokens, logprobs = draw_tokens(logits, params.temperature, params.top_p, counter_uniforms(s.seeds, s.step))
     s.tokens.index_copy_(1, s.step[None], tokens[:, None])

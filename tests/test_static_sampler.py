@@ -185,9 +185,12 @@ def test_the_decode_step_compiles_into_one_graph_without_recompiling(tiny_model,
         params = SamplingParams(n=2, temperature=1.0, max_tokens=20, min_tokens=20, seed=1)
         first = sampler.generate(PROMPTS[:2], params)
         second = sampler.generate(PROMPTS[2:], params)
+        # another budget and floor (Delethink and TIR rounds): the same bucket, the same graph
+        third = sampler.generate(PROMPTS[2:], SamplingParams(n=2, temperature=1.0, max_tokens=12, min_tokens=5, seed=2))
     finally:
         torch.compile = real
     assert counts["graphs"] == 1, counts
+    assert all(len(c.token_ids) <= 12 for group in third for c in group)
     assert len(sampler._states) == 1  # and the same buffers: CUDA graphs replay on fixed addresses
     eager = StaticSampler(tiny_model, tokenizer, batch_size=8, compile=False)
     # the compiled sampler buckets the width and pads the batch: the same tokens all the same
@@ -204,6 +207,9 @@ def test_hf_decoding_picks_the_sampler_and_refuses_what_cannot_work(tiny_model, 
     scripted = ScriptedLM([1, 2], len(tokenizer), tokenizer.eos_token_id)
     with pytest.raises(UserError, match="use --hf_decoding loop"):
         hf_sampler(scripted, tokenizer, decoding="static")
+    tiny_model.config.layer_types = ["sliding_attention", "full_attention"]  # a sliding window's cache wraps
+    with pytest.raises(UserError, match="full-attention layers only"):
+        hf_sampler(tiny_model, tokenizer, decoding="static")
 
 
 def test_an_rl_run_samples_with_the_static_sampler(tokenizer, tmp_path, monkeypatch):
