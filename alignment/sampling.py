@@ -143,17 +143,23 @@ class HFSampler:
         return lambda slots, step: torch.cat([torch.rand(1, generator=generators[slot], device=device,
                                                          dtype=torch.float64) for slot in slots])
 
-    def _generate_batch(self, prompts, params, seeds, bar) -> list[Completion]:
-        device, n = self.model.device, params.n
-        draw = self._uniforms(seeds, device)
-        width = max(len(p) for p in prompts)
+    def _prefill(self, prompts: list[list[int]], width: int) -> tuple:
+        """The prompts left-padded to `width`, run once each: (their cache, last logits (P, V), attention mask
+        (P, width), positions (P, width))."""
+        device = self.model.device
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        # Prefill each distinct prompt once, then copy its cache for the n samples of the group.
         logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        return cache, logits, attention, positions
+
+    def _generate_batch(self, prompts, params, seeds, bar) -> list[Completion]:
+        device, n = self.model.device, params.n
+        draw = self._uniforms(seeds, device)
+        # Prefill each distinct prompt once, then copy its cache for the n samples of the group.
+        cache, logits, attention, positions = self._prefill(prompts, max(len(p) for p in prompts))
         if n > 1:
             cache.batch_repeat_interleave(n)
             logits, attention = logits.repeat_interleave(n, 0), attention.repeat_interleave(n, 0)

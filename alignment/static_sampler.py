@@ -30,7 +30,7 @@ completions differ for the same seed; given the same uniforms both give the same
 import time
 
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import StaticCache
 
 from alignment.sampling import Completion, HFSampler, draw_tokens
 
@@ -96,14 +96,9 @@ class StaticSampler(HFSampler):
             width = -(-width // WIDTH_BUCKET) * WIDTH_BUCKET
             fill = max(1, self.batch_size // n) - len(prompts)
             prompts, seeds = prompts + [prompts[0]] * fill, seeds + seeds[:n] * fill
-        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
         # Prefill each distinct prompt once (as the reference does), then copy its cache into the static one,
         # once for each of the n samples of its group
-        prefill = DynamicCache()
-        logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                            past_key_values=prefill, use_cache=True, logits_to_keep=1).logits[:, -1]
+        prefill, logits, attention, positions = self._prefill(prompts, width)
         room = -(-params.max_tokens // TOKENS_BUCKET) * TOKENS_BUCKET if self.compile else params.max_tokens
         state = self._state(len(seeds), width, width + room, logits.shape[-1], prefill, device)
         for layer, prompt_layer in zip(state.cache.layers, prefill.layers):

@@ -15,11 +15,13 @@ built from a config (the 514 MB SmolLM2 weights cannot travel): right for speed 
   env          GPU, torch, transformers, CUDA; the device's matmul rate in bf16 (the floor below)
   pytest       `pytest -m gpu` (tests/test_gpu.py; each skips without CUDA)
   rl           train_rl, 5 steps, SmolLM2-135M's shape, default task, every role on the one device, HF
-               sampler, --precision auto (must be bf16 autocast on fp32 master weights: checked in the
+               sampler (--hf_decoding auto: on CUDA the static one, compiled; the passes before 2026-11-29
+               ran the loop), --precision auto (must be bf16 autocast on fp32 master weights: checked in the
                saved checkpoint), evaluation after step 5
   fsdp         torchrun --nproc_per_node 1 train_rl, 2 steps (NCCL on a GPU, gloo on the CPU; FSDP2)
   fsdp_resume  the same run resumed from its checkpoint to step 3
   sft          sft, 5 steps; then evaluate: evaluate --limit 16 on its result
+               (fsdp, fsdp_resume, sft and evaluate sample with --hf_decoding loop: no compile in their budget)
   qwen_shape   (last: the longest) train_rl with Qwen2.5-Math-1.5B's architecture (28 layers, hidden
                1536, 12 heads, 2 KV heads, MLP 8960, tied embeddings, SmolLM2's vocabulary), 8 questions x group 8, answers
                forced to 256 tokens, microbatches of up to 32,768 tokens (--microbatch_tokens, CUDA's default: the
@@ -105,6 +107,10 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
         small += ["--rollout_batch_size", "8", "--train_batch_size", "8", "--train_mini_batch_size", "4",
                   "--sampling_max_tokens", "16"]
     rl = [*small, "--rg_size", "200", "--backend", "hf", "--precision", "auto"]
+    # the rl and qwen_shape stages sample as a GPU user's run does (auto: the static sampler, compiled; the CPU dry
+    # run asks for it), the correctness stages with the reference loop (no compile time in their budgets)
+    static = ["--hf_decoding", "static"] if args.tiny else []
+    loop = ["--hf_decoding", "loop"]
     in_process = [*python, __file__, "stage", "--work", str(work), "--name"]  # train_rl.main, then its peak memory
     qwen = ["--model", str(work / "qwen"), "--group_size", "8", "--rollout_batch_size", "64", "--train_batch_size", "64",
             "--microbatch_tokens", "32768", "--sample_batch_size", "64", "--sampling_max_tokens", "256",
@@ -114,22 +120,22 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
                 "8", "--microbatch_tokens", "32768", "--sampling_max_tokens", "16", "--sampling_min_tokens", "16",
                 "--log_rollouts", "8", "--n_steps", "4"]
     torchrun = [*python, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29517"]
-    fsdp = ["-m", "alignment.train_rl", *rl, "--n_steps", "2", "--eval_every", "0", "--save_every", "1", "--output_dir", str(work / "fsdp")]
+    fsdp = ["-m", "alignment.train_rl", *rl, *loop, "--n_steps", "2", "--eval_every", "0", "--save_every", "1", "--output_dir", str(work / "fsdp")]
     sft_small = ["--eval_limit", "4", "--eval_max_tokens", "8"] if args.tiny else ["--eval_limit", "16", "--eval_max_tokens", "64"]
     return [
         ("pytest", [*python, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-rfEs", "-p", "no:cacheprovider"], 180),
-        ("rl", [*in_process, "rl", "--", *rl, "--n_steps", "5", "--eval_every", "5", "--eval_limit",
+        ("rl", [*in_process, "rl", "--", *rl, *static, "--n_steps", "5", "--eval_every", "5", "--eval_limit",
                 "4" if args.tiny else "16", *(["--eval_max_tokens", "8"] if args.tiny else []), "--log_rollouts", "32",
-                "--output_dir", str(work / "rl")], 180),
+                "--output_dir", str(work / "rl")], 240),
         ("fsdp", [*torchrun, *fsdp], 150),
         ("fsdp_resume", [*torchrun, *fsdp[:fsdp.index("--n_steps")], "--n_steps", "3",
                          *fsdp[fsdp.index("--n_steps") + 2:], "--resume", str(work / "fsdp")], 150),
         ("sft", [*python, "-m", "alignment.sft", "--model", str(work / "smollm2"), "--max_examples", "20", "--batch_size",
-                 "4", "--microbatch_size", "4", "--precision", "auto", *sft_small, "--output_dir", str(work / "sft")], 150),
+                 "4", "--microbatch_size", "4", "--precision", "auto", *sft_small, *loop, "--output_dir", str(work / "sft")], 150),
         ("evaluate", [*python, "-m", "alignment.evaluate", "--model", str(work / "sft"), "--limit", "4" if args.tiny else "16",
-                      *(["--max_tokens", "8"] if args.tiny else []), "--output_dir", str(work / "eval")], 120),
+                      *(["--max_tokens", "8"] if args.tiny else []), *loop, "--output_dir", str(work / "eval")], 120),
         ("qwen_shape", [*in_process, "qwen_shape", "--profile_step", "4", "--", *qwen, "--rg_size", "200",
-                        "--backend", "hf", "--precision", "auto", "--eval_every", "0", "--save_every", "1000",
+                        "--backend", "hf", *static, "--precision", "auto", "--eval_every", "0", "--save_every", "1000",
                         "--output_dir", str(work / "qwen_run")], 300),
         ("sampler", [*python, "bench/decode_rate.py", "--model", str(work / "qwen"), "--device", args.device,
                      *(["--batch", "4", "--tokens", "8", "--prompt_tokens", "8"] if args.tiny else
