@@ -1,7 +1,8 @@
 """Worked solutions for procedural arithmetic: SFT data whose responses show the steps.
 
-A question of reasoning-gym's `basic_arithmetic` or `chain_sum` (`Calculate 12 + 34 - 5.`, `State the final
-answer to the following arithmetic problem: 12 + 34 - 5 =`) holds one flat expression of integers and
+A question of reasoning-gym's `basic_arithmetic`, `chain_sum` or `products` (`Calculate 12 + 34 - 5.`, `State the
+final answer to the following arithmetic problem: 12 + 34 - 5 =`, `Solve the following multiplication: 361 * 220.
+Give only the result as your final answer.`) holds one flat expression of integers and
 `+ - * /`. Its worked solution does one operation per sentence, in the order arithmetic does them:
 multiplications and divisions first (left to right, then the expression that is left is restated), then
 additions and subtractions left to right, each on the previous result:
@@ -10,6 +11,10 @@ additions and subtractions left to right, each on the previous result:
 
 `rewrite` (`sft --worked_style rewrite`) writes the whole expression again after each operation instead:
 ` 7 + 6 * 5 - 9 = 7 + 30 - 9 = 37 - 9 = 28.`, so each step reads only the one before it.
+
+`tool_solution` (issue 64; not yet an `sft --worked_style`) writes the tool-integrated form for the tir prompt
+and `--rollout_mode tir`: the expression as a Python block, the output the sandbox prints for it, and the answer
+quoting it in `\\boxed{}`.
 
 The text is this project's own; every step is exact integer arithmetic (`Fraction`, so a division that does not
 come out whole is refused rather than rounded), and the final value must equal the task's gold answer, checked
@@ -24,7 +29,8 @@ from alignment.drgrpo_grader import grade
 from alignment.errors import UserError
 
 TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/×÷]))")
-EXPRESSION = re.compile(r"(?:Calculate|problem:)\s*(.+?)\s*[.=]?\s*$", re.S)
+EXPRESSION = re.compile(r"(?:Calculate|problem:|multiplication:)\s*(.+?)\s*[.=]?\s*"
+                        r"(?:Give only the result as your final answer\.)?\s*$", re.S)  # the last: rg's products
 SYMBOL = {"×": "*", "÷": "/"}
 
 
@@ -119,6 +125,33 @@ def rewritten_steps(question: str) -> tuple[list[str], Fraction]:
 
 
 STYLES = {"chain": worked_steps, "rewrite": rewritten_steps}
+
+
+def python_expression(question: str) -> str:
+    """The question's expression as Python source that prints its exact value: `//` for `/` (worked.py only
+    takes divisions that come out whole, where the two agree), a negative number in parentheses."""
+    terms = parse_expression(question)
+    shown = [("//" if t == "/" else t) if isinstance(t, str) else (f"({_show(t)})" if t < 0 else _show(t))
+             for t in terms]
+    return " ".join(shown)
+
+
+def tool_solution(row: dict) -> str:
+    """The `tool` style, for the tir prompt and `--rollout_mode tir` (alignment/tir.py): the expression as a
+    Python block, the block's printed output as the sandbox would answer it, and the answer quoting that output,
+    `... ```python\nprint(7 + 6 * 5 - 9)\n```\n```output\n28\n```\nThe answer is \\boxed{28}.` The output is
+    the exact value (what the sandbox prints for it; tests/test_worked.py runs each block there), and it must
+    grade as the gold answer."""
+    value = _value(row["question"])
+    if not grade(_show(value), row["answer"]):
+        raise UserError(f"the value of {row['question']!r} is {_show(value)}, not the task's answer {row['answer']}; "
+                        f"this task's questions are not read the way worked.py reads them.")
+    return (f" I compute it with Python.\n```python\nprint({python_expression(row['question'])})\n```\n```output\n"
+            f"{_show(value)}\n```\nThe answer is \\boxed{{{_show(value)}}}.")
+
+
+def _value(question: str) -> Fraction:
+    return rewritten_steps(question)[1]
 
 
 def worked_solution(row: dict, style: str = "chain") -> str:

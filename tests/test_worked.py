@@ -186,3 +186,24 @@ def test_the_demo_driver_runs_every_stage_and_resumes(tiny_model_dir, tmp_path):
     assert again.returncode != 0 and "sft-seed0: done, kept" in again.stdout, again.stdout
     assert "rl-seed0: done, kept" not in again.stdout and "rl-seed0: uv run python" in again.stdout
     assert "rewrite" in json.loads((tmp_path / "demo" / "stages.json").read_text())["sft-seed0"]["command"]
+
+
+@pytest.mark.parametrize("task", TASKS + ("products:min_terms=2,max_terms=2,min_digits=3,max_digits=4",))
+def test_tool_solutions_run_in_the_sandbox_to_the_gold_answer_and_grade_1(task):
+    """The `tool` style (issue 64): its block, cut out as the TIR rollout cuts it, prints in the project's sandbox
+    exactly the output the solution quotes, and the solution scores +1 under the TIR reward."""
+    from alignment import tir
+    from alignment.sandbox import Sandbox
+    rows = data.load_reasoning_gym(task, 40, seed=3)
+    box = Sandbox(workers=2)
+    try:
+        for row in rows:
+            response = worked.tool_solution(row)
+            asked, _, rest = response.partition(tir.CALL)  # what the model writes, up to its call
+            quoted = rest.split("```")[0].strip()
+            assert tir.observation(box.run(tir.extract_code(asked))) == quoted == row["answer"], (row, response)
+            assert tir.tir_reward_fn(response, row["answer"])["reward"] == 1.0
+    finally:
+        box.close()
+    with pytest.raises(UserError, match="not the task's answer"):
+        worked.tool_solution({"question": "Calculate 2 + 2.", "answer": "5"})
