@@ -140,8 +140,7 @@ class HFSampler:
     def _uniforms(self, seeds: list[int], device):
         """draw(slots, step) -> one uniform in [0, 1) per request in `slots`, each from its own stream."""
         generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]  # one stream per request
-        return lambda slots, step: torch.cat([torch.rand(1, generator=generators[slot], device=device,
-                                                         dtype=torch.float64) for slot in slots])
+        return lambda slots, step: _generator_uniforms([generators[slot] for slot in slots], device)
 
     def _prefill(self, prompts: list[list[int]], width: int) -> tuple:
         """The prompts left-padded to `width`, run once each: (their cache, last logits (P, V), attention mask
@@ -226,9 +225,13 @@ class HFSampler:
 
 def sample_next(logits, temperature: float, top_p: float, generators) -> tuple[torch.Tensor, torch.Tensor]:
     """`draw_tokens` with row r's uniform drawn from `generators[r]` (none at temperature 0)."""
-    uniform = None if temperature == 0 else torch.cat([torch.rand(1, generator=g, device=logits.device,
-                                                                  dtype=torch.float64) for g in generators])
+    uniform = None if temperature == 0 else _generator_uniforms(generators, logits.device)
     return draw_tokens(logits, temperature, top_p, uniform)
+
+
+def _generator_uniforms(generators, device) -> torch.Tensor:
+    """One float64 uniform in [0, 1) from each generator, in order."""
+    return torch.cat([torch.rand(1, generator=g, device=device, dtype=torch.float64) for g in generators])
 
 
 def draw_tokens(logits, temperature: float, top_p: float, uniform) -> tuple[torch.Tensor, torch.Tensor]:

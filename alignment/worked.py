@@ -142,16 +142,12 @@ def tool_solution(row: dict) -> str:
     `... ```python\nprint(7 + 6 * 5 - 9)\n```\n```output\n28\n```\nThe answer is \\boxed{28}.` The output is
     the exact value (what the sandbox prints for it; tests/test_worked.py runs each block there), and it must
     grade as the gold answer."""
-    value = _value(row["question"])
+    value = rewritten_steps(row["question"])[1]
     if not grade(_show(value), row["answer"]):
         raise UserError(f"the value of {row['question']!r} is {_show(value)}, not the task's answer {row['answer']}; "
                         f"this task's questions are not read the way worked.py reads them.")
     return (f" I compute it with Python.\n```python\nprint({python_expression(row['question'])})\n```\n```output\n"
             f"{_show(value)}\n```\nThe answer is \\boxed{{{_show(value)}}}.")
-
-
-def _value(question: str) -> Fraction:
-    return rewritten_steps(question)[1]
 
 
 def worked_solution(row: dict, style: str = "chain") -> str:
