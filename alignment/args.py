@@ -612,11 +612,11 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     """Supervised fine-tuning on reasoning traces (GSM8K reference solutions, worked solutions of a reasoning-gym arithmetic task, or your own JSONL)."""
 
     model: str = arg("smollm2-135m", "policy to fine-tune: hub id, local HF folder or smollm2-135m (packaged, offline)")
-    dataset: str = arg("gsm8k", "training examples in the r1_zero format: gsm8k (its train split's reference solutions) or rg:<task> (worked solutions written step by step for reasoning-gym's basic_arithmetic or chain_sum, alignment/worked.py); questions of the evaluation set are left out")
+    dataset: str = arg("gsm8k", "training examples in the r1_zero format: gsm8k (its train split's reference solutions) or rg:<task> (worked solutions written step by step for reasoning-gym's basic_arithmetic, chain_sum or products, alignment/worked.py; in the tir format with --worked_style tool); questions of the evaluation set are left out")
     train_file: str | None = arg(None, "JSONL of {prompt, response} pairs, instead of --dataset")
     data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
     rg_size: int = arg(2000, "problems generated for an rg: dataset")
-    worked_style: str = arg("chain", "how an rg: task's worked solutions are written: chain (`8 - 2 = 6. 6 + 7 = 13.`) or rewrite (`8 - 2 + 7 = 6 + 7 = 13.`, the expression again after each operation)", ("chain", "rewrite"))
+    worked_style: str = arg("chain", "how an rg: task's worked solutions are written: chain (`8 - 2 = 6. 6 + 7 = 13.`), rewrite (`8 - 2 + 7 = 6 + 7 = 13.`, the expression again after each operation), places (chain, with a product by a number of several digits written out by place values: `15 * 43 = 15 * 40 + 15 * 3. ...`) or tool (a Python block, its output, `\\boxed{}`: the tir prompt, evaluated with --rollout_mode tir)", ("chain", "rewrite", "places", "tool"))
     max_examples: int = arg(320, "train on the first N examples (0: all); 320 fits ~20 min on 2 CPU cores")
     max_response_tokens: int | None = arg(None, "keep only examples whose response is at most this many tokens (0: all; default: 100 for the GSM8K traces, all of a --train_file or an rg: task); short traces teach a 135M model to close its answer instead of looping (format 0.78 -> 0.88)")
     epochs: int = arg(1, "passes over the examples")
@@ -647,9 +647,9 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     def check_worked_task(self):
         """SFT writes worked solutions (alignment/worked.py) for flat expressions of two or more numbers only."""
         task, _, options = self.dataset[3:].partition(":")
-        if task not in ("chain_sum", "basic_arithmetic"):
-            raise ValueError(f"--dataset {self.dataset}: SFT writes worked solutions only for rg:chain_sum and "
-                             f"rg:basic_arithmetic (train_rl and evaluate take any reasoning-gym task); for another "
+        if task not in ("chain_sum", "basic_arithmetic", "products"):
+            raise ValueError(f"--dataset {self.dataset}: SFT writes worked solutions only for rg:chain_sum, "
+                             f"rg:basic_arithmetic and rg:products (train_rl and evaluate take any reasoning-gym task); for another "
                              f"task pass your own --train_file.")
         min_terms = dict(option.partition("=")[::2] for option in options.split(",")).get("min_terms", "2").strip()
         if min_terms.lstrip("-").isdigit() and int(min_terms) < 2:

@@ -51,12 +51,14 @@ Rows: one per trace (prompt = the original prompt, response = everything after i
 tokens and 0 on forced ones, or 1 everywhere with --no_mask_observations). `text` is the decode of the
 whole response (ending at a user stop string when one ended the trace). `stats`: tool_calls (requests the
 sandbox answered), exec_errors, exec_failed (0/1), timeouts, used_code (0/1: at least one call),
-call_limit_hit (0/1), forced_tokens. `tir_metrics` turns rows and rewards into the per-step metrics.
+call_limit_hit (0/1), forced_tokens, sandbox_wait_s (seconds the rollout was blocked on this trace's code).
+`tir_metrics` turns rows and rewards into the per-step metrics.
 """
 
 import dataclasses
 import math
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from alignment import sandbox
@@ -86,6 +88,7 @@ class _Trace:
     timeouts: int = 0
     limit_hit: bool = False
     forced: int = 0  # forced tokens (observations and notices)
+    waited: float = 0.0  # seconds the rollout waited for this trace's code to finish (the sandbox's share)
     pending: Future | None = None  # the sandbox run whose observation is still to be appended
     newline: str = "\n"  # what the pending observation starts with
 
@@ -158,7 +161,9 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
         trace.pending, trace.newline = pool.submit(sandbox.run_code, code, args.tool_timeout), newline
 
     def settle(trace: _Trace):
+        start = time.perf_counter()
         result, trace.pending = trace.pending.result(), None
+        trace.waited += time.perf_counter() - start
         trace.errors += not result.ok
         trace.timeouts += result.timed_out
         force(trace, observation(result), trace.newline)
@@ -200,7 +205,7 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
             text = text[:text.rfind(trace.stop) + len(trace.stop)]
         stats = {"tool_calls": trace.calls, "exec_errors": trace.errors, "exec_failed": int(trace.errors > 0),
                  "timeouts": trace.timeouts, "used_code": int(trace.calls > 0),
-                 "call_limit_hit": int(trace.limit_hit), "forced_tokens": trace.forced}
+                 "call_limit_hit": int(trace.limit_hit), "forced_tokens": trace.forced, "sandbox_wait_s": trace.waited}
         rollouts.append(Rollout(prompt_ids=trace.prompt, response_ids=trace.ids, loss_mask=trace.mask,
                                 trace_id=trace_id, group_id=trace_id // n, text=text, finish_reason=trace.finish,
                                 stats=stats, sampler_logprobs=trace.logprobs if params.logprobs else None))
@@ -247,4 +252,5 @@ def tir_metrics(items, rewards) -> dict:
         "accuracy": mean(correct),
         "accuracy_with_code": mean(c for c, u in zip(correct, used) if u),
         "accuracy_without_code": mean(c for c, u in zip(correct, used) if not u),
+        "sandbox_wait_s": sum(s.get("sandbox_wait_s", 0.0) for s in stats),  # the batch's time waiting on code
     }

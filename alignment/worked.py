@@ -12,7 +12,10 @@ additions and subtractions left to right, each on the previous result:
 `rewrite` (`sft --worked_style rewrite`) writes the whole expression again after each operation instead:
 ` 7 + 6 * 5 - 9 = 7 + 30 - 9 = 37 - 9 = 28.`, so each step reads only the one before it.
 
-`tool_solution` (issue 64; not yet an `sft --worked_style`) writes the tool-integrated form for the tir prompt
+`places` (`sft --worked_style places`, for products: issue 64's text arm) writes a multiplication by a number of
+several digits out by its place values: ` 15 * 43 = 15 * 40 + 15 * 3. 15 * 40 = 600. 15 * 3 = 45. 600 + 45 = 645.`
+
+`tool_solution` (`sft --worked_style tool`) writes the tool-integrated form for the tir prompt
 and `--rollout_mode tir`: the expression as a Python block, the output the sandbox prints for it, and the answer
 quoting it in `\\boxed{}`.
 
@@ -90,14 +93,32 @@ def _restate(terms: list) -> str:
     return " ".join(term if isinstance(term, str) else _show(term) for term in terms)
 
 
-def worked_steps(question: str) -> tuple[list[str], Fraction]:
-    """The sentences of the solution and the final value."""
+def _by_places(a: Fraction, b: Fraction) -> list[str]:
+    """`a * b` by the place values of `b` (the `places` style): `15 * 43 = 15 * 40 + 15 * 3. 15 * 40 = 600.
+    15 * 3 = 45. 600 + 45 = 645.` One sentence where `b` has one non-zero digit or a factor is negative."""
+    digits = str(b.numerator)
+    parts = [Fraction(int(d) * 10 ** (len(digits) - 1 - i)) for i, d in enumerate(digits) if d != "0"]
+    if a < 0 or b < 0 or len(parts) < 2:
+        return [f"{_show(a)} * {_show(b)} = {_show(a * b)}."]
+    steps = [f"{_show(a)} * {_show(b)} = {' + '.join(f'{_show(a)} * {_show(p)}' for p in parts)}."]
+    steps += [f"{_show(a)} * {_show(p)} = {_show(a * p)}." for p in parts]
+    total = a * parts[0]
+    for p in parts[1:]:
+        steps.append(f"{_show(total)} + {_show(a * p)} = {_show(total + a * p)}.")
+        total += a * p
+    return steps
+
+
+def worked_steps(question: str, places: bool = False) -> tuple[list[str], Fraction]:
+    """The sentences of the solution and the final value; with `places`, a multiplication by a number of
+    several non-zero digits is written out by its place values (`_by_places`)."""
     terms, steps = parse_expression(question), []
     i = 1
     while i < len(terms):  # multiplications and divisions first, left to right
         if terms[i] in "*/":
             value = _apply(terms[i - 1], terms[i], terms[i + 1], question)
-            steps.append(f"{_show(terms[i - 1])} {terms[i]} {_show(terms[i + 1])} = {_show(value)}.")
+            steps += _by_places(terms[i - 1], terms[i + 1]) if places and terms[i] == "*" else \
+                [f"{_show(terms[i - 1])} {terms[i]} {_show(terms[i + 1])} = {_show(value)}."]
             terms[i - 1:i + 2] = [value]
         else:
             i += 2
@@ -124,7 +145,7 @@ def rewritten_steps(question: str) -> tuple[list[str], Fraction]:
     return [" = ".join(lines) + "."], terms[0]
 
 
-STYLES = {"chain": worked_steps, "rewrite": rewritten_steps}
+STYLES = {"chain": worked_steps, "rewrite": rewritten_steps, "places": lambda q: worked_steps(q, places=True)}
 
 
 def python_expression(question: str) -> str:

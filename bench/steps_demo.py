@@ -75,6 +75,7 @@ def eval_command(model: str, task: str, out_dir: Path, limit: int) -> list[str]:
             MAX_TOKENS, "--output_dir", str(out_dir)]
 
 
+NAME = f"[{Path(sys.argv[0]).stem}]"  # the driver running: this one, or bench/tir_demo.py that shares its stages
 STAGES_FILE = "stages.json"  # each stage's command as last started, with the records of the stages it reads
 
 
@@ -135,7 +136,7 @@ def check_plan(plan: list[Stage], out: Path, overwrite: bool):
         mine = known.get(stage.name) == wanted[stage.name] and stage.holds_its_own()
         if used(stage.folder) and not mine and not overwrite:
             why = "other flags" if stage.name in known else "no record of its flags (an older demo, or by hand)"
-            sys.exit(f"[steps_demo] error: {stage.folder} holds a {stage.name} result made with {why}: choose "
+            sys.exit(f"{NAME} error: {stage.folder} holds a {stage.name} result made with {why}: choose "
                      f"another --out, or add --overwrite to run that stage again (each script deletes only what "
                      f"a run wrote).")
 
@@ -151,7 +152,7 @@ def run_stage(stage: Stage, out: Path) -> float | None:
     mine = record(stage, known)
     same = known.get(stage.name) == mine and stage.holds_its_own()
     if same and stage.finished():
-        print(f"[steps_demo] {stage.name}: done, kept", flush=True)
+        print(f"{NAME} {stage.name}: done, kept", flush=True)
         return times.get(stage.name)
     command = stage.command
     if same and stage.trains and (stage.folder / "checkpoint" / "trainer_state.pt").exists():
@@ -164,7 +165,7 @@ def run_stage(stage: Stage, out: Path) -> float | None:
             for name in ("results.jsonl", "summary.json"):
                 (stage.folder / name).unlink(missing_ok=True)
     (out / STAGES_FILE).write_text(json.dumps({**known, stage.name: mine}, indent=1))
-    print(f"[steps_demo] {stage.name}: uv run python {' '.join(command)}", flush=True)
+    print(f"{NAME} {stage.name}: uv run python {' '.join(command)}", flush=True)
     start = time.perf_counter()
     with open(out / f"{stage.name}.log", "a") as log:
         try:
@@ -225,7 +226,7 @@ def check_flags(stages: list[Stage]):
         try:
             parse(SCRIPTS[script], stage.command[2:])
         except SystemExit:
-            sys.exit(f"[steps_demo] error: the {stage.name} stage's flags were refused (above): fix the driver's flags.")
+            sys.exit(f"{NAME} error: the {stage.name} stage's flags were refused (above): fix the driver's flags.")
 
 
 def seed_row(seed: int, out: Path, seconds: dict) -> dict:
@@ -327,15 +328,15 @@ def main():
     try:
         seconds = {stage.name: run_stage(stage, out) for stage in stages}
     except KeyboardInterrupt:
-        sys.exit("[steps_demo] interrupted: a training stage keeps its last checkpoint; run the same command again "
+        sys.exit(f"{NAME} interrupted: a training stage keeps its last checkpoint; run the same command again "
                  "to continue")
     except subprocess.CalledProcessError as e:
-        sys.exit(f"[steps_demo] a stage ended with exit status {e.returncode}: see its .log in {out}")
+        sys.exit(f"{NAME} a stage ended with exit status {e.returncode}: see its .log in {out}")
     rows = [seed_row(seed, out, seconds) for seed in args.seeds]
     base = {name: summary(out / f"eval-start-{name}") for name in ("trained", "transfer")}
     write_table(rows, base, out, args)
     write_samples(rows, out)
-    print(f"[steps_demo] wrote {out / 'steps_demo.md'} and {out / 'samples.md'}; plot the RL runs with "
+    print(f"{NAME} wrote {out / 'steps_demo.md'} and {out / 'samples.md'}; plot the RL runs with "
           f"`uv run -m alignment.plot {' '.join(str(out / f'rl-seed{s}') for s in args.seeds)} --out <png>`")
 
 

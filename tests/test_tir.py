@@ -68,8 +68,9 @@ def test_stop_resume_stitching_is_exact_on_token_ids(tokenizer):
     assert row.text == tokenizer.decode(row.response_ids, skip_special_tokens=True)
     assert row.text == first + "\n42\n```\n" + last
     assert row.finish_reason == "stop"
+    waited = row.stats.pop("sandbox_wait_s")
     assert row.stats == {"tool_calls": 1, "exec_errors": 0, "exec_failed": 0, "timeouts": 0, "used_code": 1,
-                         "call_limit_hit": 0, "forced_tokens": len(obs)}
+                         "call_limit_hit": 0, "forced_tokens": len(obs)} and 0 <= waited < 60
 
 
 def test_second_call_over_the_limit_gets_the_notice_and_is_not_run(tokenizer, monkeypatch):
@@ -180,14 +181,15 @@ def test_reward_rejects_unknown_scheme():
 
 
 def test_tir_metrics():
-    stats = [{"used_code": 1, "tool_calls": 2, "exec_errors": 1, "call_limit_hit": 1},
-             {"used_code": 1, "tool_calls": 1, "exec_errors": 0, "call_limit_hit": 0},
+    stats = [{"used_code": 1, "tool_calls": 2, "exec_errors": 1, "call_limit_hit": 1, "sandbox_wait_s": 0.25},
+             {"used_code": 1, "tool_calls": 1, "exec_errors": 0, "call_limit_hit": 0, "sandbox_wait_s": 0.5},
              {"used_code": 0, "tool_calls": 0, "exec_errors": 0, "call_limit_hit": 0},
              {"used_code": 0, "tool_calls": 0, "exec_errors": 0, "call_limit_hit": 0}]
     m = tir.tir_metrics([{"stats": s} for s in stats], [1.0, -1.0, {"answer_reward": 0.0}, -1.0])
     assert m["code_use_rate"] == 0.5 and m["tool_calls_per_response"] == 0.75 and m["call_limit_rate"] == 0.25
     assert m["exec_error_rate"] == pytest.approx(1 / 3) and m["accuracy"] == 0.25
     assert m["accuracy_with_code"] == 0.5 and m["accuracy_without_code"] == 0.0
+    assert m["sandbox_wait_s"] == 0.75  # summed: the batch's time blocked on its code
     empty = tir.tir_metrics([{"stats": stats[2]}], [1.0])
     assert math.isnan(empty["exec_error_rate"]) and math.isnan(empty["accuracy_with_code"])
 

@@ -4,6 +4,7 @@ of an evaluation set never reach training, and the odd inputs are refused in one
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,91 @@ def test_tool_solutions_run_in_the_sandbox_to_the_gold_answer_and_grade_1(task):
         box.close()
     with pytest.raises(UserError, match="not the task's answer"):
         worked.tool_solution({"question": "Calculate 2 + 2.", "answer": "5"})
+
+
+sys.path.insert(0, str(ROOT / "bench"))  # tir_demo imports its sibling steps_demo (the stage runner)
+tir_demo = importlib.import_module("tir_demo")
+sys.path.remove(str(ROOT / "bench"))
+
+
+def check_places(response: str, answer: str):
+    """A `places` solution of `a * b`: the split names b's non-zero place values, each partial product is right,
+    the running sums add them in order, and the last is the answer."""
+    reasoning = response.split("</think>")[0].strip()
+    sentences = [s.strip() for s in re.findall(r"[^.]+\.", reasoning)]
+    first = re.fullmatch(r"(\d+) \* (\d+) = (.+)\.", sentences[0])
+    a, b = int(first.group(1)), int(first.group(2))
+    if " * " not in first.group(3):  # one non-zero digit: one sentence
+        assert len(sentences) == 1 and int(first.group(3)) == a * b and sum(d != "0" for d in str(b)) <= 1, response
+        assert str(a * b) == answer
+        return
+    parts = [int(p.split(" * ")[1]) for p in first.group(3).split(" + ")]
+    assert parts == [int(d) * 10 ** i for i, d in reversed(list(enumerate(reversed(str(b))))) if d != "0"], response
+    products = [STEP.match(s).groups() for s in sentences[1:1 + len(parts)]]
+    assert [(int(x), int(p), int(c)) for x, _, p, c in products] == [(a, p, a * p) for p in parts], response
+    total = a * parts[0]
+    for sentence, p in zip(sentences[1 + len(parts):], parts[1:], strict=True):  # the partials added in order
+        assert sentence == f"{total} + {a * p} = {total + a * p}.", response
+        total += a * p
+    assert str(total) == answer == str(a * b)
+
+
+@pytest.mark.parametrize("spec", [tir_demo.SFT_TASK, tir_demo.RL_TASK, tir_demo.HARDER_TASK])
+def test_the_tir_demos_solutions_are_right_in_both_styles(spec):
+    """bench/tir_demo.py's settings: every places step right and the answer graded 1 under r1_zero; every tool
+    solution graded +1 under the TIR reward (its block run in the sandbox: the test above)."""
+    from alignment import tir
+    for row in data.load_reasoning_gym(spec.removeprefix("rg:"), 200, seed=0):
+        response = worked.worked_solution(row, "places")
+        check_places(response, row["answer"])
+        assert r1_zero_reward_fn(response, row["answer"])["reward"] == 1.0
+        assert tir.tir_reward_fn(worked.tool_solution(row), row["answer"])["reward"] == 1.0
+    assert worked.worked_solution({"question": "Solve the following multiplication: 141 * 305. Give only the result "
+                                   "as your final answer.", "answer": "43005"}, "places") == \
+        " 141 * 305 = 141 * 300 + 141 * 5. 141 * 300 = 42300. 141 * 5 = 705. 42300 + 705 = 43005. </think> <answer> 43005 </answer>"
+    with pytest.raises(AssertionError):  # the checker catches a wrong partial product
+        check_places(" 15 * 43 = 15 * 40 + 15 * 3. 15 * 40 = 600. 15 * 3 = 35. 600 + 35 = 635. </think>", "635")
+
+
+def test_the_tir_demo_never_evaluates_on_a_question_it_trains_on():
+    """SFT's products have 1-2 digits, RL's and the evaluations' 3 and 4: no question is shared, by construction
+    and in fact, under any of the three seeds; RL's own held-out split is never trained on."""
+    for seed in range(3):
+        sft_questions = {row["question"] for row in data.load_dataset(tir_demo.SFT_TASK, "train", size=2000, seed=seed)}
+        rl_train, rl_eval, _ = train_rl.load_questions(RLArgs(dataset=tir_demo.RL_TASK, rg_size=2000, seed=seed,
+                                                              eval_limit=100), log=lambda line: None)
+        by_evaluate = data.load_dataset(tir_demo.RL_TASK, "test", size=100) + \
+            data.load_dataset(tir_demo.HARDER_TASK, "test", size=100)
+        evaluated = {row["question"] for row in rl_eval + by_evaluate}
+        assert not evaluated & sft_questions and not evaluated & {row["question"] for row in rl_train}
+
+
+def test_sft_in_the_tool_style_trains_under_the_tir_prompt_and_evaluates_with_the_sandbox(tiny_model_dir, tmp_path):
+    from tests.test_sft import tiny_args as sft_args
+    args = sft_args(tiny_model_dir, tmp_path / "sft", dataset=tir_demo.SFT_TASK, rg_size=40, worked_style="tool",
+                    eval_dataset=tir_demo.RL_TASK)
+    examples = sft.load_sft_examples(args)
+    assert all(e["prompt"].startswith("A conversation") and "put your final answer within \\boxed{}" in e["prompt"]
+               and "```python\nprint(" in e["response"] for e in examples)
+    result = sft.main(args)
+    assert result["steps"] == 2 and result["last_eval"]["count"] == 2 and "mean_used_code" in result["last_eval"]
+    places = sft.load_sft_examples(SFTArgs(dataset=tir_demo.SFT_TASK, rg_size=40, worked_style="places"))
+    assert all("<think>" in e["prompt"] and e["response"].endswith(" </answer>") for e in places)
+
+
+@pytest.mark.slow
+def test_the_tir_demo_driver_runs_both_arms(tiny_model_dir, tmp_path):
+    """A 1-step smoke run of bench/tir_demo.py with the tiny model: every stage of both arms, the table and the
+    samples written; run again, every stage kept."""
+    import subprocess
+    command = [sys.executable, "bench/tir_demo.py", "--model", tiny_model_dir, "--seeds", "0", "--sft_examples", "16",
+               "--rl_steps", "1", "--limit", "2", "--rl_backend", "hf", "--max_tokens", "24", "--out", str(tmp_path / "demo")]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    table = (tmp_path / "demo" / "tir_demo.md").read_text()
+    assert "| 0 | text |" in table and "| 0 | tool |" in table and "Tool after RL minus text" in table
+    assert "### seed 0, tool, after RL" in (tmp_path / "demo" / "samples.md").read_text()
+    rl = json.loads((tmp_path / "demo" / "stages.json").read_text())["rl-tool-seed0"]["command"]
+    assert rl[rl.index("--rollout_mode") + 1] == "tir" and "sandbox_wait_s" in (tmp_path / "demo" / "rl-tool-seed0" / "metrics.jsonl").read_text()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and again.stdout.count("done, kept") == 16 and "[tir_demo]" in again.stdout, again.stdout
