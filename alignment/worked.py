@@ -15,6 +15,9 @@ additions and subtractions left to right, each on the previous result:
 `places` (`sft --worked_style places`, for products: issue 64's text arm) writes a multiplication by a number of
 several digits out by its place values: ` 15 * 43 = 15 * 40 + 15 * 3. 15 * 40 = 600. 15 * 3 = 45. 600 + 45 = 645.`
 
+`counted` (`sft --worked_style counted`, for issue 63's Delethink demo) opens each step of the chain style with
+the position of the term it adds: ` #2 8 + 2 = 10. #3 10 + 7 = 17.`
+
 `tool_solution` (`sft --worked_style tool`) writes the tool-integrated form for the tir prompt
 and `--rollout_mode tir`: the expression as a Python block, the output the sandbox prints for it, and the answer
 quoting it in `\\boxed{}`.
@@ -145,7 +148,25 @@ def rewritten_steps(question: str) -> tuple[list[str], Fraction]:
     return [" = ".join(lines) + "."], terms[0]
 
 
-STYLES = {"chain": worked_steps, "rewrite": rewritten_steps, "places": lambda q: worked_steps(q, places=True)}
+def counted_steps(question: str) -> tuple[list[str], Fraction]:
+    """The `counted` style (issue 63, for Delethink): the chain style with each step opened by the position of
+    the term it adds, `#2 8 + 2 = 10. #3 10 + 7 = 17.`. What the next step needs is the last step alone (the
+    running total and the position to read the next term from in the question, which every Delethink chunk
+    sees), a dozen tokens however long the chain, so a short carryover holds it where the rewrite style's
+    remaining terms grow with the chain. Additions and subtractions only."""
+    terms = parse_expression(question)
+    if any(op in "*/" for op in terms[1::2]):
+        raise UserError(f"no counted solution for {question!r}: the counted style adds and subtracts in order; use "
+                        f"--worked_style chain for * and /.")
+    value, steps = terms[0], []
+    for position, (operator, term) in enumerate(zip(terms[1::2], terms[2::2]), start=2):
+        result = _apply(value, operator, term, question)
+        steps.append(f"#{position} {_show(value)} {operator} {_show(term)} = {_show(result)}.")
+        value = result
+    return steps, value
+
+
+STYLES = {"counted": counted_steps, "chain": worked_steps, "rewrite": rewritten_steps, "places": lambda q: worked_steps(q, places=True)}
 
 
 def python_expression(question: str) -> str:

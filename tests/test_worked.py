@@ -296,3 +296,41 @@ def test_the_tir_demo_driver_runs_both_arms(tiny_model_dir, tmp_path):
     assert rl[rl.index("--rollout_mode") + 1] == "tir" and "sandbox_wait_s" in (tmp_path / "demo" / "rl-tool-seed0" / "metrics.jsonl").read_text()
     again = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and again.stdout.count("done, kept") == 16 and "[tir_demo]" in again.stdout, again.stdout
+
+
+COUNTED_STEP = re.compile(r"#(\d+) (-?\d+) [-+] (-?\d+) = (-?\d+)\.")
+
+
+def state_in(text: str):
+    """(position of the next term, running total) as `text` shows it: its last complete counted step, or a later
+    step begun far enough to show its position and left operand; None when neither is there."""
+    state = None
+    for match in COUNTED_STEP.finditer(text):
+        state = (int(match.group(1)) + 1, int(match.group(4)))
+    begun = list(re.finditer(r"#(\d+) (-?\d+) [-+]", text))
+    if begun and (not state or begun[-1].start() > text.rfind(".")):
+        state = (int(begun[-1].group(1)), int(begun[-1].group(2)))
+    return state
+
+
+@pytest.mark.parametrize("task", ["basic_arithmetic:min_terms=6,max_terms=24,max_digits=1,operators=+,allow_negation=false,"
+                                  "allow_parentheses=false", "chain_sum:min_terms=6,max_terms=24,max_digits=1"])
+def test_a_counted_steps_state_is_inside_a_short_carryover_at_every_cut(task, tokenizer):
+    """Issue 63: wherever a Delethink chunk ends, the last 24 tokens (the carryover, besides the question that every
+    chunk sees) show the position of the next term and the running total, for every row as generated; every step
+    is right and the answer grades 1. With 8 tokens some cut loses it (the check can fail)."""
+    short_loses = False
+    for row in data.load_reasoning_gym(task, 100, seed=0):
+        response = worked.worked_solution(row, "counted")
+        assert r1_zero_reward_fn(response, row["answer"])["reward"] == 1.0
+        steps = response.split("</think>")[0]
+        check_steps(row["question"], re.sub(r"#\d+ ", "", steps) + " </think>", row["answer"])
+        assert [int(k) for k in re.findall(r"#(\d+)", steps)] == list(range(2, len(worked.parse_expression(row["question"])) // 2 + 2))
+        ids = tokenizer(steps, add_special_tokens=False).input_ids
+        for cut in range(1, len(ids) + 1):
+            truth = state_in(tokenizer.decode(ids[:cut]))
+            if truth is None:  # before the first step is written: the question holds the state
+                continue
+            assert state_in(tokenizer.decode(ids[max(0, cut - 24):cut])) == truth, (row, cut)
+            short_loses |= state_in(tokenizer.decode(ids[max(0, cut - 8):cut])) != truth
+    assert short_loses
