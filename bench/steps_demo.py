@@ -179,6 +179,22 @@ def run_stage(stage: Stage, out: Path) -> float | None:
     return times[stage.name]
 
 
+def run_all(stages: list[Stage], out: Path, overwrite: bool) -> dict:
+    """Every stage's flags checked and every folder's record read before the first runs, then each run or kept in
+    order; {stage: wall seconds}. Ctrl-C (here or in a stage: its exit status 130) stops with how to continue."""
+    check_flags(stages)
+    check_plan(stages, out, overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    interrupted = f"{NAME} interrupted: a training stage keeps its last checkpoint; run the same command again to continue"
+    try:
+        return {stage.name: run_stage(stage, out) for stage in stages}
+    except KeyboardInterrupt:
+        sys.exit(interrupted)
+    except subprocess.CalledProcessError as e:
+        sys.exit(interrupted if e.returncode == 130 else
+                 f"{NAME} a stage ended with exit status {e.returncode}: see its .log in {out}")
+
+
 def question(prompt: str) -> str:
     """The question inside an r1_zero prompt."""
     return prompt.split("User: ")[-1].split("\nAssistant:")[0]
@@ -321,17 +337,7 @@ def main():
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} is a file: name a folder")
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
-    stages = plan(args, out)
-    check_flags(stages)
-    check_plan(stages, out, args.overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        seconds = {stage.name: run_stage(stage, out) for stage in stages}
-    except KeyboardInterrupt:
-        sys.exit(f"{NAME} interrupted: a training stage keeps its last checkpoint; run the same command again "
-                 "to continue")
-    except subprocess.CalledProcessError as e:
-        sys.exit(f"{NAME} a stage ended with exit status {e.returncode}: see its .log in {out}")
+    seconds = run_all(plan(args, out), out, args.overwrite)
     rows = [seed_row(seed, out, seconds) for seed in args.seeds]
     base = {name: summary(out / f"eval-start-{name}") for name in ("trained", "transfer")}
     write_table(rows, base, out, args)

@@ -26,11 +26,9 @@ import json
 import math
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, check_flags, check_plan, run_stage
+from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, run_all
 
 from alignment.run import read_jsonl
 
@@ -214,17 +212,7 @@ def main():
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} is a file: name a folder")
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
-    stages = plan(args, out)
-    check_flags(stages)
-    check_plan(stages, out, args.overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        seconds = {stage.name: run_stage(stage, out) for stage in stages}
-    except KeyboardInterrupt:
-        sys.exit(f"{NAME} interrupted: a training stage keeps its last checkpoint; run the same command again to "
-                 f"continue")
-    except subprocess.CalledProcessError as e:
-        sys.exit(f"{NAME} a stage ended with exit status {e.returncode}: see its .log in {out}")
+    seconds = run_all(plan(args, out), out, args.overwrite)
     write_table(args, out, seconds)
     write_samples(args, out)
     print(f"{NAME} wrote {out / 'tir_demo.md'} and {out / 'samples.md'}")
