@@ -37,7 +37,7 @@ from alignment.grpo import sft_microbatch_train_step
 from alignment.run import Run
 from alignment.sampling import SamplingParams, WeightPush, make_sampler, pick_backend
 from alignment.tokens import get_response_log_probs, tokenize_prompt_and_output
-from alignment.worked import tool_solution, worked_solution
+from alignment.worked import worked_solution
 
 CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")  # GSM8K's `<<48/2=24>>`
 RESUMABLE_CHANGES = {"epochs"}  # flags a resumed run may change, besides the run folder's own (run.py)
@@ -71,8 +71,7 @@ def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = (),
         held_out = {row["question"] for row in eval_rows}
         rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
         prompts = [(data.format_prompt(template, row["question"]), row) for row in rows if row["question"] not in held_out]
-        solve = tool_solution if args.worked_style == "tool" else lambda row: worked_solution(row, args.worked_style)
-        examples = [{"prompt": prompt, "response": solve(row)}
+        examples = [{"prompt": prompt, "response": worked_solution(row, args.worked_style)}
                     for prompt, row in prompts if fits(prompt)]  # a question too long: no solution is built
         dropped = len(prompts) - len(examples)
     else:

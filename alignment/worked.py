@@ -195,7 +195,10 @@ def tool_solution(row: dict) -> str:
 def worked_solution(row: dict, style: str = "chain") -> str:
     """The r1_zero response for `row` ({question, answer}) in `style` (`chain`: one `a op b = c.` per operation;
     `rewrite`: the expression rewritten after each), then ` </think> <answer> gold </answer>`. Refused in one
-    line where the steps' value does not grade as the gold answer."""
+    line where the steps' value does not grade as the gold answer. `tool` gives `tool_solution(row)` (the tir prompt's
+    form, no think tags)."""
+    if style == "tool":
+        return tool_solution(row)
     steps, value = STYLES[style](row["question"])
     if not grade(_show(value), row["answer"]):
         raise UserError(f"the worked solution of {row['question']!r} comes to {_show(value)}, not the task's answer "
