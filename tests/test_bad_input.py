@@ -443,10 +443,10 @@ def test_flags_that_do_act_are_still_taken(capsys):
     assert "--vllm_enforce_eager has no effect with --backend hf" in one_error_line(
         capsys, RLArgs, ["--backend", "hf", "--vllm_enforce_eager"])
     assert parse(EvalArgs, ["--rollout_mode", "tir", "--prompt", "tir", "--tool_timeout", "3"]).tool_timeout == 3
-    # SFT's worked solutions exist for two tasks: another is refused when parsed, not after a suggestion of
+    # SFT's worked solutions exist for three tasks: another is refused when parsed, not after a suggestion of
     # rg:gsm_symbolic that then failed on its first question; so is a chain of one number
     for spec in ("rg:unknown_task", "rg:gsm_symbolic"):
-        assert f"--dataset {spec}: SFT writes worked solutions only for rg:chain_sum and rg:basic_arithmetic" in \
+        assert f"--dataset {spec}: SFT writes worked solutions only for rg:chain_sum, rg:basic_arithmetic and rg:products" in \
             one_error_line(capsys, SFTArgs, ["--dataset", spec])
     assert "a worked solution needs two or more numbers; set min_terms=2" in one_error_line(
         capsys, SFTArgs, ["--dataset", "rg:chain_sum:min_terms=1,max_terms=1"])
