@@ -183,7 +183,7 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     wanted = share * args.group_size  # kept traces this rank needs
     filtering = args.filter_low is not None or args.filter_high is not None
     stop = PROMPT_SETTINGS[args.prompt][1]
-    kept, raw_rewards, metas, samples, mode_rows, lengths = [], [], [], [], [], []
+    kept, raw_rewards, metas, samples, mode_rows, lengths, contexts = [], [], [], [], [], [], []
     adaptive_groups, kept_pools, grown = args.group_size_max > args.group_size, [], []
     seconds = {"sample": 0.0, "score": 0.0}
     for sampling_round in range(1, args.max_sampling_rounds + 1):
@@ -205,6 +205,7 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
         metas.append(reward_metrics(raw, scores, args.group_size))
         mode_rows += [t[-1] for t in round_traces]
         lengths += [sum(sum(r.loss_mask) for r in t) for t in round_traces]  # sampled tokens per trace
+        contexts += [[len(r.prompt_ids) + len(r.response_ids) for r in t] for t in round_traces]  # per row
         samples += [{"prompt": prompt_texts[t[-1].group_id], "response": t[-1].text, "reward": r,
                      "format_reward": s.get("format_reward"), "answer_reward": s.get("answer_reward"),
                      "ground_truth": asked[t[-1].group_id]["answer"], "rows": len(t), "stats": t[-1].stats}
@@ -245,6 +246,11 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     metrics = {"reward": metrics.pop("reward_mean"), "format_reward": metrics.get("format_reward_mean", 0.0),
                "answer_reward": metrics.get("answer_reward_mean", 0.0), "zero_std_groups": metrics["zero_std_fraction"],
                "response_tokens": sum(lengths) / len(lengths),
+               # the cost of a trace beside its length (Delethink's claim): causal query-key pairs over its rows,
+               # prompt included (attention's work to sample it and to train on it), and its longest row (the KV
+               # cache it needs); means over the first round's groups, as response_tokens
+               "attention_pairs": sum(n * (n + 1) // 2 for rows in contexts for n in rows) / len(contexts),
+               "context_tokens": sum(max(rows) for rows in contexts) / len(contexts),
                "kept_traces": len(kept), "sampling_rounds": len(metas), "questions_sampled": len(metas) * questions}
     if grown:  # adaptive groups: samples per question, share with spread, and every sampled token
         means = ("samples_per_question", "spread_fraction", "balanced_fraction")

@@ -187,6 +187,13 @@ def test_delethink_mode_trains_on_chunk_rows(tiny_model_dir, tmp_path, parity):
     assert torch.isfinite(torch.tensor(step["loss"])) and step["grad_norm"] > 0
     rollouts = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
     assert all(r["rows"] == r["stats"]["chunks"] for r in rollouts) and any(r["rows"] > 1 for r in rollouts)
+    # the cost counters the Delethink demo reads: a trace's query-key pairs over all its rows are more than those
+    # of its longest row alone once some trace has several rows (x(x+1)/2 is convex: a mean of sums >= that of
+    # the mean longest row), and no row is longer than the longest prompt + one chunk
+    from transformers import AutoTokenizer
+    longest_prompt = max(len(AutoTokenizer.from_pretrained(tiny_model_dir)(r["prompt"]).input_ids) for r in rollouts)
+    assert step["context_tokens"] <= longest_prompt + 4
+    assert step["attention_pairs"] > step["context_tokens"] * (step["context_tokens"] + 1) / 2
 
 
 def test_tir_mode_runs_through_train_rl(tiny_model_dir, tmp_path, parity):

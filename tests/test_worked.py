@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from alignment import data, sft, train_rl, worked
-from alignment.args import RLArgs, SFTArgs
+from alignment.args import EvalArgs, RLArgs, SFTArgs, parse
 from alignment.drgrpo_grader import r1_zero_reward_fn
 from alignment.errors import UserError
+from alignment.run import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 demo = importlib.util.module_from_spec(importlib.util.spec_from_file_location("steps_demo", ROOT / "bench" / "steps_demo.py"))
@@ -334,3 +335,56 @@ def test_a_counted_steps_state_is_inside_a_short_carryover_at_every_cut(task, to
             assert state_in(tokenizer.decode(ids[max(0, cut - 24):cut])) == truth, (row, cut)
             short_loses |= state_in(tokenizer.decode(ids[max(0, cut - 8):cut])) != truth
     assert short_loses
+
+
+sys.path.insert(0, str(ROOT / "bench"))  # delethink_demo imports its siblings (the stage runner, the readers)
+delethink_demo = importlib.import_module("delethink_demo")
+sys.path.remove(str(ROOT / "bench"))
+
+
+@pytest.mark.parametrize("budget", [120, 20])
+def test_the_delethink_demos_arms_get_the_same_thinking_budget(budget):
+    """Issue 63: Delethink's 4 chunks hold exactly B thinking tokens, as LongCoT's limit; 9 and 19 chunks 2B and
+    4B, the budgets LongCoT gets at 15 and 30 terms."""
+    tests = delethink_demo.evaluations(budget)
+    for name, flags in tests["delethink"].items():
+        scale = int(name.split("x")[1])
+        assert parse(EvalArgs, flags).delethink_budget().startswith(f"up to {scale * budget} thinking tokens")
+        assert parse(EvalArgs, tests["longcot"][name]).max_tokens == scale * budget
+    rl = delethink_demo.rl_command("delethink", 0, Path("r"), Path("s"), 20, 100, "hf", budget)
+    assert parse(RLArgs, rl[2:]).delethink_budget() == parse(EvalArgs, tests["delethink"]["8x1"]).delethink_budget()
+
+
+def test_the_delethink_demo_never_evaluates_on_a_question_it_trains_on():
+    """SFT's chains have 2-6 terms, RL's 8 and the longer evaluations 15 and 30: no shared question; the 8-term
+    evaluation is the test split, which RL under seeds 0-2 never draws (nor holds out for its own evaluation)."""
+    for seed in range(3):
+        sft_questions = {row["question"] for row in data.load_dataset(delethink_demo.SFT_TASK, "train", size=2000, seed=seed)}
+        rl_train, rl_eval, _ = train_rl.load_questions(RLArgs(dataset=delethink_demo.TESTS[8], rg_size=2000, seed=seed,
+                                                              eval_limit=100), log=lambda line: None)
+        by_evaluate = [row for spec in delethink_demo.TESTS.values() for row in data.load_dataset(spec, "test", size=100)]
+        evaluated = {row["question"] for row in rl_eval + by_evaluate}
+        assert len(evaluated) >= 300 and not evaluated & sft_questions
+        assert not evaluated & {row["question"] for row in rl_train}
+
+
+@pytest.mark.slow
+def test_the_delethink_demo_driver_runs_both_arms(tiny_model_dir, tmp_path):
+    """A 2-step smoke run of bench/delethink_demo.py with the tiny model (B = 20: chunks of 8 after 4 carried):
+    every stage of both arms, the table, samples and plot written; run again, every stage kept."""
+    import subprocess
+    command = [sys.executable, "bench/delethink_demo.py", "--model", tiny_model_dir, "--seeds", "0", "--sft_examples",
+               "16", "--rl_steps", "2", "--limit", "2", "--rl_backend", "hf", "--budget", "20", "--out",
+               str(tmp_path / "demo")]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    table = (tmp_path / "demo" / "delethink_demo.md").read_text()
+    assert "| 0 | delethink | RL |" in table and "| 0 | longcot | SFT |" in table and "attention pairs" in table
+    assert "‖" in (tmp_path / "demo" / "samples.md").read_text()  # chunk boundaries marked
+    rl = json.loads((tmp_path / "demo" / "stages.json").read_text())["rl-delethink-seed0"]["command"]
+    assert rl[rl.index("--delethink_max_turns") + 1] == "4" and rl[rl.index("--delethink_chunk_size") + 1] == "8"
+    steps = [m for m in read_jsonl(tmp_path / "demo" / "rl-delethink-seed0" / "metrics.jsonl") if "loss" in m]
+    assert len(steps) == 2 and all(m["context_tokens"] > 0 for m in steps)
+    again = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and again.stdout.count("done, kept") == 19 and "[delethink_demo]" in again.stdout, \
+        again.stdout

