@@ -123,15 +123,17 @@ def rl_cost(run_dir: Path) -> dict:
 
 
 def cell(s: dict) -> str:
-    """Answer rate (mean thinking tokens; Delethink: chunks per trace; share cut off by the budget)."""
-    chunks = f", {s['mean_chunks']:.1f} chunks" if "mean_chunks" in s else ""
+    """Answer rate (mean thinking tokens; Delethink: chunks per trace and the share of traces that went on past a
+    chunk boundary; the share cut off by the budget)."""
+    chunks = f", {s['mean_chunks']:.1f} chunks, {s['crossed']:.0%} crossed one" if "mean_chunks" in s else ""
     return f"{s['avg_answer_rewards']:.2f} ({s['mean_response_tokens']:.0f} tok{chunks}, cut {s['cut']:.0%})"
 
 
 def results(out: Path, stage: str) -> dict:
     """evaluate's summary, with the share of answers the budget cut off (no stop: the answer never closed)."""
     records = read_jsonl(out / stage / "results.jsonl")
-    return {**summary(out / stage), "cut": statistics.mean(r["finish_reason"] != "stop" for r in records)}
+    return {**summary(out / stage), "cut": statistics.mean(r["finish_reason"] != "stop" for r in records),
+            "crossed": statistics.mean(r["stats"].get("chunks", 1) > 1 for r in records)}
 
 
 def write_table(args, out: Path, seconds: dict) -> dict:
@@ -139,7 +141,7 @@ def write_table(args, out: Path, seconds: dict) -> dict:
     names = [f"{t}x{k}" for t, scale in SCALE.items() for k in sorted({1, scale})]
     heads = {n: f"{n.split('x')[0]} terms, {int(n.split('x')[1]) * b} tok" for n in names}
     lines = [f"Greedy answer rate on {args.limit} held-out questions of n one-digit terms joined by + (mean thinking "
-             f"tokens; Delethink: chunks per trace; share cut off by the budget). SFT ({args.sft_examples} counted "
+             f"tokens; Delethink: chunks per trace, share of traces past a chunk boundary; share cut off by the budget). SFT ({args.sft_examples} counted "
              f"solutions of 2-6 terms) then {args.rl_steps} RL steps on {RL_TERMS} terms, thinking budget B = {b}: "
              f"LongCoT at most {b} tokens, Delethink chunks of {2 * b // 5} after a carryover of {b // 5}, "
              f"4 chunks ({b} tokens); at test time LongCoT also gets 2B / 4B tokens and Delethink 9 / 19 chunks.", "",
