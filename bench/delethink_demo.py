@@ -85,11 +85,13 @@ def eval_command(model: str, flags: list[str], out_dir: Path, limit: int) -> lis
 
 
 ARMS = ("longcot", "delethink")
+PRIORITY = ["8x1", "30x1", "30x4", "15x2", "15x1"]  # after RL: the claim's ends first (the trained length, 4x)
 
 
 def plan(args, out: Path) -> list[Stage]:
-    """Per seed: SFT, its evaluations at the trained length in both modes, RL in both arms, then every other
-    evaluation (the SFT checkpoint in both modes, each RL checkpoint in its own): the runs that decide first."""
+    """Per seed: SFT, its evaluations at the trained length in both modes, RL in both arms, then each RL
+    checkpoint's evaluations in its own mode, then the SFT checkpoint's at 15 and 30 terms in both: what decides
+    the claim first (the trained length, then 4x the budget), so a session that stops early has it."""
     stages, tests = [], evaluations(args.budget)
     for seed in args.seeds:
         sft = f"sft-seed{seed}"
@@ -108,7 +110,8 @@ def plan(args, out: Path) -> list[Stage]:
                                                               args.limit), reads=(rl,))
                       for test, flags in tests[arm].items()]
         stages += [Stage(sft, sft_command(args.model, seed, out / sft, args.sft_examples, args.limit, args.budget),
-                         trains=True), *first, *runs, *sorted(later, key=lambda s: "sft" in s.name)]
+                         trains=True), *first, *runs, *sorted(later, key=lambda s: ("sft" in s.name, PRIORITY.index(
+                             s.name.rsplit("-", 1)[1])))]
     return stages
 
 
