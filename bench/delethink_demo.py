@@ -85,13 +85,14 @@ def eval_command(model: str, flags: list[str], out_dir: Path, limit: int) -> lis
 
 
 ARMS = ("longcot", "delethink")
-PRIORITY = ["8x1", "30x1", "30x4", "15x2", "15x1"]  # after RL: the claim's ends first (the trained length, 4x)
+PRIORITY = ["30x4", "30x1", "8x1", "15x2", "15x1"]  # after RL: 4x the budget first (RL's own evaluation has the trained length)
 
 
 def plan(args, out: Path) -> list[Stage]:
     """Per seed: SFT, its evaluations at the trained length in both modes, RL in both arms, then each RL
     checkpoint's evaluations in its own mode, then the SFT checkpoint's at 15 and 30 terms in both: what decides
-    the claim first (the trained length, then 4x the budget), so a session that stops early has it."""
+    the claim first (4x the budget; train_rl's own evaluation at step 20 has the trained length), so a session
+    that stops early has it."""
     stages, tests = [], evaluations(args.budget)
     for seed in args.seeds:
         sft = f"sft-seed{seed}"
