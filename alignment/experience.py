@@ -248,7 +248,7 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
                "response_tokens": sum(lengths) / len(lengths),
                # the cost of a trace beside its length (Delethink's claim): causal query-key pairs over its rows,
                # prompt included (attention's work to sample it and to train on it), and its longest row (the KV
-               # cache it needs); means over the first round's groups, as response_tokens
+               # cache it needs); means over every sampling round's traces (growth rounds aside), as response_tokens
                "attention_pairs": sum(n * (n + 1) // 2 for rows in contexts for n in rows) / len(contexts),
                "context_tokens": sum(max(rows) for rows in contexts) / len(contexts),
                "kept_traces": len(kept), "sampling_rounds": len(metas), "questions_sampled": len(metas) * questions}
