@@ -618,6 +618,8 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     rg_size: int = arg(2000, "problems generated for an rg: dataset")
     worked_style: str = arg("chain", "how an rg: task's worked solutions are written: chain (`8 - 2 = 6. 6 + 7 = 13.`), rewrite (`8 - 2 + 7 = 6 + 7 = 13.`, the expression again after each operation), places (chain, with a product by a number of several digits written out by place values: `15 * 43 = 15 * 40 + 15 * 3. ...`) tool (a Python block, its output, `\\boxed{}`: the tir prompt, evaluated with --rollout_mode tir) or counted (chain, each step opened by the position of the term it adds: `#2 8 + 2 = 10. #3 10 + 7 = 17.`)", ("chain", "rewrite", "places", "tool", "counted"))
     max_examples: int = arg(320, "train on the first N examples (0: all); 320 fits ~20 min on 2 CPU cores")
+    delethink_chunk_size: int | None = arg(None, "also train on the rows --rollout_mode delethink (keep_head 0) cuts each example's solution into: after chunk 1's C tokens and every C - m after it, the prompt plus the m tokens before the cut, then the rest of the solution; teaches a model to go on from a carryover (default: off)")
+    delethink_carryover: int | None = arg(None, "with --delethink_chunk_size: tokens carried into the next chunk (m; default C/2)")
     max_response_tokens: int | None = arg(None, "keep only examples whose response is at most this many tokens (0: all; default: 100 for the GSM8K traces, all of a --train_file or an rg: task); short traces teach a 135M model to close its answer instead of looping (format 0.78 -> 0.88)")
     epochs: int = arg(1, "passes over the examples")
     batch_size: int = arg(4, "examples per optimizer step")
@@ -640,9 +642,14 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
                    if not self.eval_limit}
         own_file = {name: "with --train_file (its examples are the training data)" for name in ("dataset", "rg_size", "worked_style")
                     if self.train_file}
+        rows = {} if self.delethink_chunk_size else {"delethink_carryover": "without --delethink_chunk_size"}
         generated = {} if self.dataset.startswith("rg:") else {name: f"with --dataset {self.dataset}"
                                                                for name in ("rg_size", "worked_style")}
-        return {**generated, **no_eval, **own_file}
+        return {**generated, **no_eval, **own_file, **rows}
+
+    def sft_carryover(self) -> int:
+        """m of --delethink_chunk_size's rows: --delethink_carryover, by default C/2 as in RL."""
+        return self.delethink_carryover if self.delethink_carryover is not None else self.delethink_chunk_size // 2
 
     def check_worked_task(self):
         """SFT writes worked solutions (alignment/worked.py) for flat expressions of two or more numbers only."""
@@ -669,6 +676,9 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
             raise ValueError("--max_examples must be 0 (all) or positive, and --epochs at least 1.")
         if 0 < self.max_examples < self.batch_size:
             raise ValueError(f"--max_examples {self.max_examples} is smaller than one batch; raise it or lower --batch_size.")
+        if self.delethink_chunk_size and not 0 < self.sft_carryover() < self.delethink_chunk_size:
+            raise ValueError(f"--delethink_carryover {self.sft_carryover()} must be above 0 and below "
+                             f"--delethink_chunk_size {self.delethink_chunk_size}.")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError("--warmup_ratio must be in [0, 1).")
         if self.eval_every < 0 or self.save_every < 0 or self.eval_limit < 0:

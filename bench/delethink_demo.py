@@ -12,8 +12,12 @@ terms takes ~13 tokens a term (SmolLM2's tokenizer, with the answer: 8 terms 101
 terms ~200; 30 terms ~430).
 
 Per seed, each stage a plain command (printed as it starts, its output in <out>/<stage>.log):
-1. `alignment.sft --worked_style counted` on 2-6 terms;
-2. from that checkpoint, RL on 8 terms with the same thinking budget B (default 120 tokens) in two arms:
+1. `alignment.sft --worked_style counted` on 2-6 terms, each solution also cut into the rows Delethink would make of
+   it (`--delethink_chunk_size 2B/5 --delethink_carryover B/5`: the prompt, the carryover, the rest): fine-tuned
+   on whole solutions alone, the model could not go on from a carryover (seed 0 at commit c9ec3cb: 0.26 in
+   Delethink chunks against 0.63 in one chain at 8 terms, and Delethink RL's first step found no right answer in
+   any of its groups);
+2. from that checkpoint, RL (10 steps) on 8 terms with the same thinking budget B (default 120 tokens) in two arms:
    **longcot**: `--rollout_mode standard --sampling_max_tokens B`; **delethink**: `--rollout_mode delethink` with
    chunks of C = 2B/5 tokens and a carryover of m = B/5 (48 and 24; `--delethink_keep_head 0`: the question is in
    every chunk's prompt), 4 chunks: C + 3 (C - m) = B, and the loss normalised per trace
@@ -56,7 +60,8 @@ def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int,
     return ["-m", "alignment.sft", "--model", model, "--dataset", SFT_TASK, "--worked_style", "counted",
             "--max_examples", str(examples), "--batch_size", "8", "--microbatch_size", "8", "--eval_dataset",
             TESTS[RL_TERMS], "--eval_limit", str(limit), "--eval_max_tokens", str(budget), "--no_eval_before_train",
-            "--seed", str(seed), "--output_dir", str(run_dir)]
+            "--seed", str(seed), "--output_dir", str(run_dir), "--delethink_chunk_size", str(2 * budget // 5),
+            "--delethink_carryover", str(budget // 5)]
 
 
 def rl_command(arm: str, seed: int, run_dir: Path, sft_dir: Path, steps: int, limit: int, backend: str,
@@ -91,7 +96,7 @@ PRIORITY = ["30x4", "30x1", "8x1", "15x2", "15x1"]  # after RL: 4x the budget fi
 def plan(args, out: Path) -> list[Stage]:
     """Per seed: SFT, its evaluations at the trained length in both modes, RL in both arms, then each RL
     checkpoint's evaluations in its own mode, then the SFT checkpoint's at 15 and 30 terms in both: what decides
-    the claim first (4x the budget; train_rl's own evaluation at step 20 has the trained length), so a session
+    the claim first (4x the budget; train_rl's own evaluation at its last step has the trained length), so a session
     that stops early has it."""
     stages, tests = [], evaluations(args.budget)
     for seed in args.seeds:
@@ -146,7 +151,7 @@ def write_table(args, out: Path, seconds: dict) -> dict:
     heads = {n: f"{n.split('x')[0]} terms, {int(n.split('x')[1]) * b} tok" for n in names}
     lines = [f"Greedy answer rate on {args.limit} held-out questions of n one-digit terms joined by + (mean thinking "
              f"tokens; Delethink: chunks per trace, share of traces past a chunk boundary; share cut off by the budget). SFT ({args.sft_examples} counted "
-             f"solutions of 2-6 terms) then {args.rl_steps} RL steps on {RL_TERMS} terms, thinking budget B = {b}: "
+             f"solutions of 2-6 terms and the Delethink rows cut from them) then {args.rl_steps} RL steps on {RL_TERMS} terms, thinking budget B = {b}: "
              f"LongCoT at most {b} tokens, Delethink chunks of {2 * b // 5} after a carryover of {b // 5}, "
              f"4 chunks ({b} tokens); at test time LongCoT also gets 2B / 4B tokens and Delethink 9 / 19 chunks.", "",
              "| seed | arm | checkpoint | " + " | ".join(heads[n] for n in names) + " |",
@@ -250,7 +255,7 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
     parser.add_argument("--sft_examples", type=int, default=960, help="worked solutions in SFT (8 per step)")
-    parser.add_argument("--rl_steps", type=int, default=20, help="RL steps (8 questions, 4-16 answers each)")
+    parser.add_argument("--rl_steps", type=int, default=10, help="RL steps (8 questions, 4-16 answers each)")
     parser.add_argument("--rl_backend", choices=("vllm", "hf"), default="vllm",
                         help="RL's sampler (train_rl --backend): vllm (the vllm-cpu extra) or hf")
     parser.add_argument("--budget", type=int, default=120,

@@ -218,3 +218,37 @@ def test_sequence_level_correction_takes_a_delethink_traces_ratio_over_all_its_c
         expected = min(math.exp(log_ratio), 2.0)
         n = len(responses[row])
         torch.testing.assert_close(weights[row, :n], torch.full((n,), expected), rtol=1e-4, atol=1e-5)
+
+
+def test_sft_rows_are_the_rows_delethink_cuts_a_written_solution_into(tokenizer, data_dir):
+    """`sft --delethink_chunk_size`: had the model written each worked solution, Delethink's later chunks would
+    start from exactly the SFT rows' prompts, and what each row trains on is the rest of that solution."""
+    from alignment import sft
+    from alignment.args import SFTArgs
+    args = SFTArgs(dataset="rg:basic_arithmetic:min_terms=4,max_terms=9,max_digits=1,operators=+,allow_negation=false,"
+                           "allow_parentheses=false", worked_style="counted", max_examples=12, data_dir=str(data_dir),
+                   delethink_chunk_size=48, delethink_carryover=24)
+    examples = sft.load_sft_examples(args, tokenizer)
+    full, cut = examples[:12], examples[12:]
+    prompts = [tokenizer(e["prompt"], add_special_tokens=False).input_ids for e in full]
+    streams = [tokenizer(e["response"], add_special_tokens=False).input_ids for e in full]
+    assert max(map(len, streams)) > 72 and min(map(len, streams)) < 48  # no cut, one, and several
+    policy = FakePolicy(tokenizer, continue_streams({tuple(p): [s + [tokenizer.eos_token_id]]
+                                                     for p, s in zip(prompts, streams)}))
+    rows = delethink.generate(policy, tokenizer, prompts, SamplingParams(n=1, temperature=0.0, stop=("</answer>",)),
+                              mode_args(48, 24, 0, max_turns=10))
+    later = [row for row in rows if row.stats["chunk"] > 1]
+    assert len(later) == len(cut) > 12
+    for row, example in zip(later, cut):
+        source = full[row.trace_id]
+        assert tokenizer.decode(row.prompt_ids) == example["prompt"]
+        carried = example["prompt"].removeprefix(source["prompt"])  # the m tokens before the cut, then the rest
+        assert carried != example["prompt"] and source["response"].endswith(carried + example["response"])
+        assert example["response"].startswith(tokenizer.decode(row.response_ids))
+    assert all(row.finish_reason == "stop" and row.text == full[row.trace_id]["response"] for row in rows)
+
+
+def test_sft_rows_need_a_carryover_inside_the_chunk():
+    from alignment.args import SFTArgs
+    with pytest.raises(ValueError, match="--delethink_carryover 48 must be above 0 and below --delethink_chunk_size 48"):
+        SFTArgs(dataset="rg:chain_sum", delethink_chunk_size=48, delethink_carryover=48).check()
