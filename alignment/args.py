@@ -217,6 +217,12 @@ AT_MOST_ONE = {"gamma", "lam", "filter_low", "filter_high", "warmup_ratio", "gpu
                "top_p", "lora_dropout"}
 
 
+def delethink_carryover(args) -> int:
+    """m, the tokens a Delethink chunk carries into the next: --delethink_carryover, by default C/2 (RL, evaluate
+    and SFT's --delethink_chunk_size rows)."""
+    return args.delethink_carryover if args.delethink_carryover is not None else args.delethink_chunk_size // 2
+
+
 def check_values(args):
     """Every field one of its choices, every number within its range (POSITIVE, AT_LEAST_ZERO, AT_MOST_ONE)
     and finite; None means unset."""
@@ -302,7 +308,7 @@ class RolloutArgs:
     exec_penalty: float = arg(0.0, "tir: reward subtracted from a response whose code failed to run (ToRL ablation: 0.5)")
 
     def check_rollout(self):
-        carryover = self.delethink_carryover if self.delethink_carryover is not None else self.delethink_chunk_size // 2
+        carryover = delethink_carryover(self)
         if self.rollout_mode == "delethink" and not self.delethink_keep_head <= carryover < self.delethink_chunk_size:
             raise ValueError(f"delethink needs keep_head <= carryover < chunk_size, here {self.delethink_keep_head} <= "
                              f"{carryover} < {self.delethink_chunk_size}; lower --delethink_keep_head or "
@@ -315,7 +321,7 @@ class RolloutArgs:
     def delethink_budget(self) -> str:
         """The thinking budget of a delethink trace, as the start line and the refusals say it."""
         chunk = self.delethink_chunk_size
-        carryover = self.delethink_carryover if self.delethink_carryover is not None else chunk // 2
+        carryover = delethink_carryover(self)
         total = chunk + (self.delethink_max_turns - 1) * (chunk - carryover)
         return (f"up to {total} thinking tokens ({self.delethink_max_turns} chunks: {chunk} tokens, then "
                 f"{chunk - carryover} after a carryover of {carryover})")
@@ -647,10 +653,6 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
                                                                for name in ("rg_size", "worked_style")}
         return {**generated, **no_eval, **own_file, **rows}
 
-    def sft_carryover(self) -> int:
-        """m of --delethink_chunk_size's rows: --delethink_carryover, by default C/2 as in RL."""
-        return self.delethink_carryover if self.delethink_carryover is not None else self.delethink_chunk_size // 2
-
     def check_worked_task(self):
         """SFT writes worked solutions (alignment/worked.py) for flat expressions of two or more numbers only."""
         task, _, options = self.dataset[3:].partition(":")
@@ -676,8 +678,8 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
             raise ValueError("--max_examples must be 0 (all) or positive, and --epochs at least 1.")
         if 0 < self.max_examples < self.batch_size:
             raise ValueError(f"--max_examples {self.max_examples} is smaller than one batch; raise it or lower --batch_size.")
-        if self.delethink_chunk_size and not 0 < self.sft_carryover() < self.delethink_chunk_size:
-            raise ValueError(f"--delethink_carryover {self.sft_carryover()} must be above 0 and below "
+        if self.delethink_chunk_size and not 0 < delethink_carryover(self) < self.delethink_chunk_size:
+            raise ValueError(f"--delethink_carryover {delethink_carryover(self)} must be above 0 and below "
                              f"--delethink_chunk_size {self.delethink_chunk_size}.")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError("--warmup_ratio must be in [0, 1).")

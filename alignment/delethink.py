@@ -43,6 +43,7 @@ import dataclasses
 
 import torch
 
+from alignment.args import delethink_carryover
 from alignment.rollout import Rollout
 from alignment.sampling import Completion, SamplingParams, derive_seed
 
@@ -50,7 +51,7 @@ from alignment.sampling import Completion, SamplingParams, derive_seed
 def budgets(args) -> tuple[int, int, int, int]:
     """(chunk_size C, carryover m, keep_head, keep_tail) from the rollout args."""
     chunk_size = args.delethink_chunk_size
-    carryover = args.delethink_carryover if args.delethink_carryover is not None else chunk_size // 2
+    carryover = delethink_carryover(args)
     keep_head = args.delethink_keep_head
     if not 0 <= keep_head <= carryover < chunk_size:
         raise ValueError(f"delethink needs 0 <= keep_head ({keep_head}) <= carryover ({carryover}) < chunk_size "

@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from alignment import allocator, data, distributed, lora, models
-from alignment.args import RolloutArgs, SFTArgs, parse
+from alignment.args import RolloutArgs, SFTArgs, delethink_carryover, parse
 from alignment.errors import MissingFileError, UserError, cli
 from alignment.evaluate import _model_context, check_context, evaluate
 from alignment.grpo import sft_microbatch_train_step
@@ -98,9 +98,9 @@ def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = (),
         examples = [e for e, n in zip(examples, lengths) if n <= limit]
     examples = examples[:args.max_examples] if args.max_examples else examples
     if args.delethink_chunk_size:
-        rows = delethink_rows(examples, tokenizer, args.delethink_chunk_size, args.sft_carryover())
+        rows = delethink_rows(examples, tokenizer, args.delethink_chunk_size, delethink_carryover(args))
         log(f"[sft] {len(examples)} examples and {len(rows)} Delethink rows cut from them (C {args.delethink_chunk_size}, "
-            f"m {args.sft_carryover()})")
+            f"m {delethink_carryover(args)})")
         examples = examples + rows
     return examples
 
