@@ -34,13 +34,16 @@ continue. Writes <out>/delethink_demo.md (answer rates, chunks, training cost fr
 
 import argparse
 import os
+import re
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, run_all
 from tir_demo import question, shorten, summary
 
 from alignment.run import read_jsonl
+from alignment.worked import counted_steps
 
 SUMS = "rg:basic_arithmetic:min_terms={0},max_terms={1},max_digits=1,operators=+,allow_negation=false," \
        "allow_parentheses=false"
@@ -145,6 +148,42 @@ def results(out: Path, stage: str) -> dict:
             "crossed": statistics.mean(r["stats"].get("chunks", 1) > 1 for r in records)}
 
 
+STEP = re.compile(r"#(\d+) (-?\d+) \+ (-?\d+) = (-?\d+)\.")  # a counted step: position, total, term, new total
+FIELDS = ("counter", "carried total", "wrong term", "wrong sum")
+
+
+def first_wrong_step(question: str, response: str) -> tuple[int | None, str]:
+    """(the position of the first counted step that is not the worked solution's, what differs first: the
+    counter, the carried total, the term read from the question, the sum), or (None, "all steps right" / "stopped
+    early"); a step written after the last term is "past the last term"."""
+    worked = [tuple(map(int, step)) for step in STEP.findall(" ".join(counted_steps(question)[0]))]
+    written = [tuple(map(int, step)) for step in STEP.findall(response)]
+    for position, step in enumerate(written, start=2):
+        if position - 2 == len(worked):
+            return position, "past the last term"
+        differs = [name for name, a, b in zip(FIELDS, step, worked[position - 2]) if a != b]
+        if differs:
+            return position, differs[0]
+    return None, "all steps right" if len(written) == len(worked) else "stopped early"
+
+
+POSITIONS = ((2, 4), (5, 6), (7, 8), (9, 10), (11, 12), (13, 30))
+
+
+def step_errors(records: list[dict]) -> tuple[Counter, dict]:
+    """Over an evaluation's answers: how the first wrong step differs ({kind: answers}), and per band of positions
+    (first wrong steps there, steps reached there with every step before them right)."""
+    kinds, bands = Counter(), {band: [0, 0] for band in POSITIONS}
+    for r in records:
+        position, kind = first_wrong_step(question(r["prompt"]), r["response"])
+        kinds[kind] += 1
+        last = position if position is not None else len(STEP.findall(r["response"])) + 1
+        for (lo, hi), tally in bands.items():
+            tally[1] += max(0, min(hi, last) - lo + 1)
+            tally[0] += position is not None and lo <= position <= hi
+    return kinds, bands
+
+
 def write_table(args, out: Path, seconds: dict) -> dict:
     tests, b = evaluations(args.budget), args.budget
     names = [f"{t}x{k}" for t, scale in SCALE.items() for k in sorted({1, scale})]
@@ -183,6 +222,18 @@ def write_table(args, out: Path, seconds: dict) -> dict:
         "", "In-run evaluation (train_rl, every 5 steps, the seed's own held-out split of 8 terms): " + "; ".join(
             f"{arm} seed {seed}: " + ", ".join(f"{step}: {rate:.2f}" for step, rate in rl_cost(out / f"rl-{arm}-seed{seed}")["curve"])
             for seed in args.seeds for arm in ARMS)]
+    lines += ["", "Where the chains go wrong after RL (each answer's counted steps checked against its question's worked "
+              "solution): per band of positions, first wrong steps there / steps reached there with every step before "
+              "them right; then how the first wrong step differs.", "",
+              "| seed | arm | evaluation | " + " | ".join(f"#{lo}-#{hi}" for lo, hi in POSITIONS) + " | first wrong step |",
+              "| --- | --- | --- | " + " | ".join("---" for _ in POSITIONS) + " | --- |"]
+    for seed in args.seeds:
+        for arm in ARMS:
+            for n in tests[arm]:
+                kinds, bands = step_errors(read_jsonl(out / f"eval-rl-{arm}-seed{seed}-{n}" / "results.jsonl"))
+                lines.append(f"| {seed} | {arm} | {heads[n]} | " + " | ".join(
+                    f"{wrong} / {reached}" if reached else "-" for wrong, reached in bands.values()) + " | " + ", ".join(
+                    f"{kind} {count}" for kind, count in kinds.most_common()) + " |")
     (out / "delethink_demo.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return rates

@@ -368,6 +368,27 @@ def test_the_delethink_demo_never_evaluates_on_a_question_it_trains_on():
         assert not evaluated & {row["question"] for row in rl_train}
 
 
+def test_the_delethink_demo_finds_the_first_step_that_goes_wrong_and_what_differs():
+    """Issue 63's reading of the 4x evaluations: each answer's counted steps against its question's worked
+    solution; the first that differs, and whether its counter, carried total, term or sum is what differs."""
+    question = "Calculate 8 + 2 + 7 + 9 + 2 + 0."
+    right = " #2 8 + 2 = 10. #3 10 + 7 = 17. #4 17 + 9 = 26. #5 26 + 2 = 28. #6 28 + 0 = 28."
+    assert worked.worked_solution({"question": question, "answer": "28"}, "counted").startswith(right)
+    check = delethink_demo.first_wrong_step
+    assert check(question, right + " </think> <answer> 28 </answer>") == (None, "all steps right")
+    assert check(question, right.replace("#5 26 + 2 = 28. #6 28", "#5 26 + 9 = 35. #6 35")) == (5, "wrong term")
+    assert check(question, right.replace("#4 17 + 9 = 26.", "#4 17 + 9 = 25.")) == (4, "wrong sum")
+    assert check(question, right.replace("#3 10", "#3 11")) == (3, "carried total")
+    assert check(question, right.replace("#6", "#7")) == (6, "counter")
+    assert check(question, right[:40]) == (None, "stopped early")
+    assert check(question, right + " #7 28 + 2 = 30.") == (7, "past the last term")
+    records = [{"prompt": f"User: {question}\nAssistant: <think>", "response": r} for r in
+               (right, right.replace("#5 26 + 2", "#5 26 + 9"))]
+    kinds, bands = delethink_demo.step_errors(records)
+    assert kinds == {"all steps right": 1, "wrong term": 1}
+    assert bands[(2, 4)] == [0, 6] and bands[(5, 6)] == [1, 3] and bands[(7, 8)] == [0, 0]
+
+
 @pytest.mark.slow
 def test_the_delethink_demo_driver_runs_both_arms(tiny_model_dir, tmp_path):
     """A 2-step smoke run of bench/delethink_demo.py with the tiny model (B = 20: chunks of 8 after 4 carried):
@@ -380,6 +401,7 @@ def test_the_delethink_demo_driver_runs_both_arms(tiny_model_dir, tmp_path):
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     table = (tmp_path / "demo" / "delethink_demo.md").read_text()
     assert "| 0 | delethink | RL |" in table and "| 0 | longcot | SFT |" in table and "attention pairs" in table
+    assert "Where the chains go wrong" in table and "| 0 | delethink | 30 terms, 80 tok |" in table
     assert "‖" in (tmp_path / "demo" / "samples.md").read_text()  # chunk boundaries marked
     rl = json.loads((tmp_path / "demo" / "stages.json").read_text())["rl-delethink-seed0"]["command"]
     assert rl[rl.index("--delethink_max_turns") + 1] == "4" and rl[rl.index("--delethink_chunk_size") + 1] == "8"
