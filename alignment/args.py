@@ -618,7 +618,7 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     """Supervised fine-tuning on reasoning traces (GSM8K reference solutions, worked solutions of a reasoning-gym arithmetic task, or your own JSONL)."""
 
     model: str = arg("smollm2-135m", "policy to fine-tune: hub id, local HF folder or smollm2-135m (packaged, offline)")
-    dataset: str = arg("gsm8k", "training examples in the r1_zero format: gsm8k (its train split's reference solutions) or rg:<task> (worked solutions written step by step for reasoning-gym's basic_arithmetic, chain_sum or products, alignment/worked.py; in the tir format with --worked_style tool); questions of the evaluation set are left out")
+    dataset: str = arg("gsm8k", "training examples in the r1_zero format: gsm8k (its train split's reference solutions) or rg:<task> (worked solutions written step by step for reasoning-gym's basic_arithmetic, chain_sum or products, or the project's rg:repeated_addition, alignment/worked.py; in the tir format with --worked_style tool); questions of the evaluation set are left out")
     train_file: str | None = arg(None, "JSONL of {prompt, response} pairs, instead of --dataset")
     data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
     rg_size: int = arg(2000, "problems generated for an rg: dataset")

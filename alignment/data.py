@@ -137,6 +137,8 @@ def load_reasoning_gym(spec: str, size: int, seed: int) -> list[dict]:
     with warnings.catch_warnings():  # some of its dependencies' modules compile with SyntaxWarnings (`is` with a literal)
         warnings.simplefilter("ignore", SyntaxWarning)
         import reasoning_gym
+
+        from alignment import tasks  # noqa: F401  (registers the project's own tasks: rg:repeated_addition)
     task, config = rg_options(spec)
     if task == "basic_arithmetic" and config.get("allow_parentheses") is False and \
             set(str(config.get("operators", "+-*/"))) & set("*/"):

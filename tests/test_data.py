@@ -3,6 +3,7 @@
 import functools
 import http.server
 import json
+import re
 import threading
 
 import pytest
@@ -109,7 +110,24 @@ def test_reasoning_gym_tasks_with_options_are_seeded_and_split():
     assert [r["question"] for r in test] != [r["question"] for r in rows]
 
 
+def test_repeated_addition_holds_out_half_its_pairs_and_repeats_none_before_all_have_come():
+    """alignment/tasks.py, issue 63: the question's size does not grow with the count; the gold is start + step x
+    times; held_out=true rows and the others never share a question (start + step odd against even), whatever the
+    seeds; the first 360 rows of a half (its pairs, with the defaults) are all different."""
+    spec = "rg:repeated_addition:min_times=7,max_times=7"
+    trained = data.load_dataset(spec, "train", size=2000, seed=0) + data.load_dataset(spec, "test", size=2000, seed=5)
+    held_out = data.load_dataset(spec + ",held_out=true", "test", size=360, seed=1)
+    assert len({r["question"] for r in held_out}) == 360
+    assert not {r["question"] for r in held_out} & {r["question"] for r in trained}
+    for row in held_out[:50] + trained[:50]:
+        start, step, times = map(int, re.findall(r"\d+", row["question"]))
+        assert times == 7 and 10 <= start <= 99 and 2 <= step <= 9 and int(row["answer"]) == start + step * times
+    long = data.load_dataset("rg:repeated_addition:min_times=29,max_times=29", size=50)
+    assert {len(r["question"]) for r in long} == {len(trained[0]["question"]) + 1}  # one more digit in the count
+
+
 @pytest.mark.parametrize("name,message", [("rg:chain_sum:max_terms", "key=value"),
+                                          ("rg:repeated_addition:min_times=5,max_times=2", "rejected the options"),
                                           ("rg:chain_sum:colour=red", "rejected the options"),
                                           ("rg:no_such_task", "has no task"),
                                           ("rg:chain_sum:max_terms=3,max_terms=5", "max_terms is given twice"),

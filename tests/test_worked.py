@@ -315,7 +315,8 @@ def state_in(text: str):
 
 
 @pytest.mark.parametrize("task", ["basic_arithmetic:min_terms=6,max_terms=24,max_digits=1,operators=+,allow_negation=false,"
-                                  "allow_parentheses=false", "chain_sum:min_terms=6,max_terms=24,max_digits=1"])
+                                  "allow_parentheses=false", "chain_sum:min_terms=6,max_terms=24,max_digits=1",
+                                  "repeated_addition:min_times=5,max_times=23"])
 def test_a_counted_steps_state_is_inside_a_short_carryover_at_every_cut(task, tokenizer):
     """Issue 63: wherever a Delethink chunk ends, the last 24 tokens (the carryover, besides the question that every
     chunk sees) show the position of the next term and the running total, for every row as generated; every step
@@ -326,7 +327,13 @@ def test_a_counted_steps_state_is_inside_a_short_carryover_at_every_cut(task, to
         assert r1_zero_reward_fn(response, row["answer"])["reward"] == 1.0
         steps = response.split("</think>")[0]
         check_steps(row["question"], re.sub(r"#\d+ ", "", steps) + " </think>", row["answer"])
-        assert [int(k) for k in re.findall(r"#(\d+)", steps)] == list(range(2, len(worked.parse_expression(row["question"])) // 2 + 2))
+        repeated = worked.REPEATED.search(row["question"])
+        if repeated:  # a start and one step added `times` times, counted from #1: the question's numbers, in order
+            start, step, times = map(int, repeated.groups())
+            assert re.findall(r"#(\d+) (\d+) \+ (\d+) =", steps) == [(str(k), str(start + (k - 1) * step), str(step))
+                                                                  for k in range(1, times + 1)]
+        else:  # the position of the term each step adds, from #2
+            assert [int(k) for k in re.findall(r"#(\d+)", steps)] == list(range(2, len(worked.parse_expression(row["question"])) // 2 + 2))
         ids = tokenizer(steps, add_special_tokens=False).input_ids
         for cut in range(1, len(ids) + 1):
             truth = state_in(tokenizer.decode(ids[:cut]))
@@ -342,27 +349,31 @@ delethink_demo = importlib.import_module("delethink_demo")
 sys.path.remove(str(ROOT / "bench"))
 
 
+@pytest.mark.parametrize("task", ["sums", "repeated"])
 @pytest.mark.parametrize("budget", [120, 20])
-def test_the_delethink_demos_arms_get_the_same_thinking_budget(budget):
+def test_the_delethink_demos_arms_get_the_same_thinking_budget(budget, task):
     """Issue 63: Delethink's 4 chunks hold exactly B thinking tokens, as LongCoT's limit; 9 and 19 chunks 2B and
     4B, the budgets LongCoT gets at 15 and 30 terms."""
-    tests = delethink_demo.evaluations(budget)
+    tests = delethink_demo.evaluations(budget, task)
     for name, flags in tests["delethink"].items():
         scale = int(name.split("x")[1])
         assert parse(EvalArgs, flags).delethink_budget().startswith(f"up to {scale * budget} thinking tokens")
         assert parse(EvalArgs, tests["longcot"][name]).max_tokens == scale * budget
-    rl = delethink_demo.rl_command("delethink", 0, Path("r"), Path("s"), 20, 100, "hf", budget)
+    rl = delethink_demo.rl_command("delethink", 0, Path("r"), Path("s"), 20, 100, "hf", budget, task)
     assert parse(RLArgs, rl[2:]).delethink_budget() == parse(EvalArgs, tests["delethink"]["8x1"]).delethink_budget()
 
 
-def test_the_delethink_demo_never_evaluates_on_a_question_it_trains_on():
+@pytest.mark.parametrize("task", ["sums", "repeated"])
+def test_the_delethink_demo_never_evaluates_on_a_question_it_trains_on(task):
     """SFT's chains have 2-6 terms, RL's 8 and the longer evaluations 15 and 30: no shared question; the 8-term
-    evaluation is the test split, which RL under seeds 0-2 never draws (nor holds out for its own evaluation)."""
+    evaluation is the test split (sums) or the held-out half of the (start, step) pairs (repeated), which RL under
+    seeds 0-2 never draws (nor holds out for its own evaluation)."""
+    sft_task, rl_task, tests = delethink_demo.TASKS[task]
     for seed in range(3):
-        sft_questions = {row["question"] for row in data.load_dataset(delethink_demo.SFT_TASK, "train", size=2000, seed=seed)}
-        rl_train, rl_eval, _ = train_rl.load_questions(RLArgs(dataset=delethink_demo.TESTS[8], rg_size=2000, seed=seed,
+        sft_questions = {row["question"] for row in data.load_dataset(sft_task, "train", size=2000, seed=seed)}
+        rl_train, rl_eval, _ = train_rl.load_questions(RLArgs(dataset=rl_task, rg_size=2000, seed=seed,
                                                               eval_limit=100), log=lambda line: None)
-        by_evaluate = [row for spec in delethink_demo.TESTS.values() for row in data.load_dataset(spec, "test", size=100)]
+        by_evaluate = [row for spec in tests.values() for row in data.load_dataset(spec, "test", size=100)]
         evaluated = {row["question"] for row in rl_eval + by_evaluate}
         assert len(evaluated) >= 300 and not evaluated & sft_questions
         assert not evaluated & {row["question"] for row in rl_train}
@@ -382,11 +393,14 @@ def test_the_delethink_demo_finds_the_first_step_that_goes_wrong_and_what_differ
     assert check(question, right.replace("#6", "#7")) == (6, "counter")
     assert check(question, right[:40]) == (None, "stopped early")
     assert check(question, right + " #7 28 + 2 = 30.") == (7, "past the last term")
+    repeated = "Start at 37 and add 7 to it 3 times. What is the result?"  # counted from #1
+    assert check(repeated, " #1 37 + 7 = 44. #2 44 + 7 = 51. #3 51 + 7 = 58.") == (None, "all steps right")
+    assert check(repeated, " #1 37 + 7 = 44. #2 44 + 5 = 49.") == (2, "wrong term")
     records = [{"prompt": f"User: {question}\nAssistant: <think>", "response": r} for r in
                (right, right.replace("#5 26 + 2", "#5 26 + 9"))]
     kinds, bands = delethink_demo.step_errors(records)
     assert kinds == {"all steps right": 1, "wrong term": 1}
-    assert bands[(2, 4)] == [0, 6] and bands[(5, 6)] == [1, 3] and bands[(7, 8)] == [0, 0]
+    assert bands[(1, 4)] == [0, 6] and bands[(5, 6)] == [1, 3] and bands[(7, 8)] == [0, 0]
 
 
 @pytest.mark.slow

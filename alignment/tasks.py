@@ -1,0 +1,62 @@
+"""Tasks this project adds to reasoning-gym's, registered under their names so that `rg:<name>:<options>` works
+wherever an rg: task does (SFT's worked solutions, RL, evaluation, held-out splits by seed).
+
+`repeated_addition` (issue 63): "Start at 37 and add 7 to it 14 times." The question stays the same size however
+long the chain is, so a longer chain tests thinking past a budget, not reading a longer question (on
+basic_arithmetic sums, SmolLM2-135M's chains broke at finding the k-th of 30 numbers in the question, whatever
+the budget: docs/results.md). Worked solution (`--worked_style counted`): ` #1 37 + 7 = 44. #2 44 + 7 = 51.`; the
+count to stop at is in the question, which every Delethink chunk sees.
+
+Held out by construction: questions whose start + step is odd only when `held_out=true`, even otherwise, so an
+evaluation on `held_out=true` never sees a question trained on `held_out=false`, whatever the seeds.
+"""
+
+from dataclasses import dataclass
+from random import Random
+
+from reasoning_gym.dataset import ProceduralDataset
+from reasoning_gym.factory import DATASETS, register_dataset
+
+QUESTION = "Start at {start} and add {step} to it {times} times. What is the result?"
+
+
+@dataclass
+class RepeatedAdditionConfig:
+    min_times: int = 2
+    max_times: int = 6
+    min_start: int = 10
+    max_start: int = 99
+    min_step: int = 2
+    max_step: int = 9
+    held_out: bool = False
+    seed: int | None = None
+    size: int = 500
+
+    def validate(self):
+        assert 1 <= self.min_times <= self.max_times, "need 1 <= min_times <= max_times"
+        assert 0 <= self.min_start <= self.max_start, "need 0 <= min_start <= max_start"
+        assert 1 <= self.min_step <= self.max_step, "need 1 <= min_step <= max_step"
+        assert self.max_start > self.min_start or self.max_step > self.min_step, \
+            "the start or the step must have two values (half the pairs are held out)"
+
+
+class RepeatedAdditionDataset(ProceduralDataset):
+    """Row i: the i-th (start, step) pair of the config's half in an order shuffled by the seed (no pair repeats
+    before all have come: 360 with the defaults), and a count of additions drawn from `seed + i`."""
+
+    def __init__(self, config: RepeatedAdditionConfig):
+        super().__init__(config=config, seed=config.seed, size=config.size)
+        c = config
+        self.pairs = [(start, step) for start in range(c.min_start, c.max_start + 1)
+                      for step in range(c.min_step, c.max_step + 1) if (start + step) % 2 == c.held_out]
+        Random(self.seed).shuffle(self.pairs)
+
+    def __getitem__(self, idx: int) -> dict:
+        start, step = self.pairs[idx % len(self.pairs)]
+        times = Random(self.seed + idx).randint(self.config.min_times, self.config.max_times)
+        return {"question": QUESTION.format(start=start, step=step, times=times), "answer": str(start + step * times),
+                "metadata": {"start": start, "step": step, "times": times}}
+
+
+if "repeated_addition" not in DATASETS:
+    register_dataset("repeated_addition", RepeatedAdditionDataset, RepeatedAdditionConfig)
