@@ -656,10 +656,13 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     def check_worked_task(self):
         """SFT writes worked solutions (alignment/worked.py) for flat expressions of two or more numbers only."""
         task, _, options = self.dataset[3:].partition(":")
-        if task not in ("chain_sum", "basic_arithmetic", "products"):
+        if task not in ("chain_sum", "basic_arithmetic", "products", "repeated_addition"):
             raise ValueError(f"--dataset {self.dataset}: SFT writes worked solutions only for rg:chain_sum, "
-                             f"rg:basic_arithmetic and rg:products (train_rl and evaluate take any reasoning-gym task); for another "
-                             f"task pass your own --train_file.")
+                             f"rg:basic_arithmetic, rg:products and rg:repeated_addition (train_rl and evaluate take any "
+                             f"reasoning-gym task); for another task pass your own --train_file.")
+        if task == "repeated_addition" and self.worked_style != "counted":
+            raise ValueError(f"--dataset {self.dataset}: its worked solutions are written in one style; pass "
+                             f"--worked_style counted.")
         min_terms = dict(option.partition("=")[::2] for option in options.split(",")).get("min_terms", "2").strip()
         if min_terms.lstrip("-").isdigit() and int(min_terms) < 2:
             raise ValueError(f"--dataset {self.dataset}: a worked solution needs two or more numbers; set min_terms=2 "
