@@ -7,8 +7,10 @@ basic_arithmetic sums, SmolLM2-135M's chains broke at finding the k-th of 30 num
 the budget: docs/results.md). Worked solution (`--worked_style counted`): ` #1 37 + 7 = 44. #2 44 + 7 = 51.`; the
 count to stop at is in the question, which every Delethink chunk sees.
 
-Held out by construction: questions whose start + step is odd only when `held_out=true`, even otherwise, so an
-evaluation on `held_out=true` never sees a question trained on `held_out=false`, whatever the seeds.
+Held out by construction: the (start, step) pairs are split into two halves by a fixed shuffle (seed 63, not the
+dataset's), so an evaluation on `held_out=true` never sees a question trained on `held_out=false`, whatever the
+seeds, and both halves hold every kind of addition. (A first split by the parity of start + step did not: training
+then never added an even step to an odd total, and the held-out questions that do scored 0.61 against 1.00.)
 """
 
 from dataclasses import dataclass
@@ -18,6 +20,14 @@ from reasoning_gym.dataset import ProceduralDataset
 from reasoning_gym.factory import DATASETS, register_dataset
 
 QUESTION = "Start at {start} and add {step} to it {times} times. What is the result?"
+HALVES_SEED = 63  # the fixed shuffle that splits the pairs into a training and a held-out half
+
+
+def held_out_half(pairs: list[tuple[int, int]]) -> set[tuple[int, int]]:
+    """The held-out half of `pairs`: the first half of them in an order shuffled by HALVES_SEED."""
+    order = sorted(pairs)
+    Random(HALVES_SEED).shuffle(order)
+    return set(order[:len(order) // 2])
 
 
 @dataclass
@@ -41,14 +51,15 @@ class RepeatedAdditionConfig:
 
 
 class RepeatedAdditionDataset(ProceduralDataset):
-    """Row i: the i-th (start, step) pair of the config's half in an order shuffled by the seed (no pair repeats
+    """Row i: the i-th (start, step) pair of the config's half in an order shuffled by the dataset's seed (no pair repeats
     before all have come: 360 with the defaults), and a count of additions drawn from `seed + i`."""
 
     def __init__(self, config: RepeatedAdditionConfig):
         super().__init__(config=config, seed=config.seed, size=config.size)
         c = config
-        self.pairs = [(start, step) for start in range(c.min_start, c.max_start + 1)
-                      for step in range(c.min_step, c.max_step + 1) if (start + step) % 2 == c.held_out]
+        pairs = [(start, step) for start in range(c.min_start, c.max_start + 1) for step in range(c.min_step, c.max_step + 1)]
+        held_out = held_out_half(pairs)
+        self.pairs = [pair for pair in pairs if (pair in held_out) == c.held_out]
         Random(self.seed).shuffle(self.pairs)
 
     def __getitem__(self, idx: int) -> dict:

@@ -122,6 +122,10 @@ def test_repeated_addition_holds_out_half_its_pairs_and_repeats_none_before_all_
     for row in held_out[:50] + trained[:50]:
         start, step, times = map(int, re.findall(r"\d+", row["question"]))
         assert times == 7 and 10 <= start <= 99 and 2 <= step <= 9 and int(row["answer"]) == start + step * times
+    for rows in (held_out, trained):  # each half holds every step and every parity of start and step
+        pairs = [tuple(map(int, re.findall(r"\d+", r["question"])[:2])) for r in rows]
+        assert {step for _, step in pairs} == set(range(2, 10))
+        assert {(start % 2, step % 2) for start, step in pairs} == {(0, 0), (0, 1), (1, 0), (1, 1)}
     long = data.load_dataset("rg:repeated_addition:min_times=29,max_times=29", size=50)
     assert {len(r["question"]) for r in long} == {len(trained[0]["question"]) + 1}  # one more digit in the count
 
