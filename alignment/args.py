@@ -618,7 +618,7 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     """Supervised fine-tuning on reasoning traces (GSM8K reference solutions, worked solutions of a reasoning-gym arithmetic task, or your own JSONL)."""
 
     model: str = arg("smollm2-135m", "policy to fine-tune: hub id, local HF folder or smollm2-135m (packaged, offline)")
-    dataset: str = arg("gsm8k", "training examples in the r1_zero format: gsm8k (its train split's reference solutions) or rg:<task> (worked solutions written step by step for reasoning-gym's basic_arithmetic, chain_sum or products, or the project's rg:repeated_addition, alignment/worked.py; in the tir format with --worked_style tool); questions of the evaluation set are left out")
+    dataset: str = arg("gsm8k", "training examples in the r1_zero format: gsm8k (its train split's reference solutions) or rg:<task> (worked solutions written step by step for reasoning-gym's basic_arithmetic, chain_sum or products, or the project's rg:repeated_addition and rg:add_until, alignment/worked.py; in the tir format with --worked_style tool); questions of the evaluation set are left out")
     train_file: str | None = arg(None, "JSONL of {prompt, response} pairs, instead of --dataset")
     data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
     rg_size: int = arg(2000, "problems generated for an rg: dataset")
@@ -656,11 +656,11 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     def check_worked_task(self):
         """SFT writes worked solutions (alignment/worked.py) for flat expressions of two or more numbers only."""
         task, _, options = self.dataset[3:].partition(":")
-        if task not in ("chain_sum", "basic_arithmetic", "products", "repeated_addition"):
+        if task not in ("chain_sum", "basic_arithmetic", "products", "repeated_addition", "add_until"):
             raise ValueError(f"--dataset {self.dataset}: SFT writes worked solutions only for rg:chain_sum, "
-                             f"rg:basic_arithmetic, rg:products and rg:repeated_addition (train_rl and evaluate take any "
-                             f"reasoning-gym task); for another task pass your own --train_file.")
-        if task == "repeated_addition" and self.worked_style != "counted":
+                             f"rg:basic_arithmetic, rg:products, rg:repeated_addition and rg:add_until (train_rl and "
+                             f"evaluate take any reasoning-gym task); for another task pass your own --train_file.")
+        if task in ("repeated_addition", "add_until") and self.worked_style != "counted":
             raise ValueError(f"--dataset {self.dataset}: its worked solutions are written in one style; pass "
                              f"--worked_style counted.")
         min_terms = dict(option.partition("=")[::2] for option in options.split(",")).get("min_terms", "2").strip()

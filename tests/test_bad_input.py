@@ -446,9 +446,10 @@ def test_flags_that_do_act_are_still_taken(capsys):
     # SFT's worked solutions exist for three tasks: another is refused when parsed, not after a suggestion of
     # rg:gsm_symbolic that then failed on its first question; so is a chain of one number
     for spec in ("rg:unknown_task", "rg:gsm_symbolic"):
-        assert f"--dataset {spec}: SFT writes worked solutions only for rg:chain_sum, rg:basic_arithmetic, rg:products and " \
-            "rg:repeated_addition" in one_error_line(capsys, SFTArgs, ["--dataset", spec])
-    assert "pass --worked_style counted" in one_error_line(capsys, SFTArgs, ["--dataset", "rg:repeated_addition"])
+        assert f"--dataset {spec}: SFT writes worked solutions only for rg:chain_sum, rg:basic_arithmetic, rg:products, " \
+            "rg:repeated_addition and rg:add_until" in one_error_line(capsys, SFTArgs, ["--dataset", spec])
+    for task in ("rg:repeated_addition", "rg:add_until"):
+        assert "pass --worked_style counted" in one_error_line(capsys, SFTArgs, ["--dataset", task])
     assert parse(SFTArgs, ["--dataset", "rg:repeated_addition", "--worked_style", "counted"]).worked_style == "counted"
     assert "a worked solution needs two or more numbers; set min_terms=2" in one_error_line(
         capsys, SFTArgs, ["--dataset", "rg:chain_sum:min_terms=1,max_terms=1"])

@@ -130,7 +130,27 @@ def test_repeated_addition_holds_out_half_its_pairs_and_repeats_none_before_all_
     assert {len(r["question"]) for r in long} == {len(trained[0]["question"]) + 1}  # one more digit in the count
 
 
+def test_add_until_stops_at_a_bound_between_two_totals_and_holds_out_half_its_pairs():
+    """alignment/tasks.py, issue 63's next recipe: the chain needs `times` additions (the bound lies strictly between
+    the last two totals, so no total equals it), every total stays under max_total at every length, and held-out
+    rows never share a question or a (start, step) pair with the others."""
+    for times in (1, 7, 29):
+        spec = f"rg:add_until:min_times={times},max_times={times}"
+        rows = data.load_dataset(spec, "train", size=300, seed=0) + data.load_dataset(spec + ",held_out=true", "test", size=300)
+        for row in rows:
+            start, step, bound = map(int, re.findall(r"\d+", row["question"]))
+            assert start + (times - 1) * step < bound < start + times * step == int(row["answer"]) <= 799
+            assert 100 <= start <= 699 and 2 <= step <= 9
+    spec = "rg:add_until:min_times=1,max_times=5"
+    pairs = {held: {tuple(map(int, re.findall(r"\d+", r["question"])[:2]))
+                    for r in data.load_dataset(spec + f",held_out={held}", "train", size=2000, seed=2)} for held in ("true", "false")}
+    assert len(pairs["true"]) > 1000 and not pairs["true"] & pairs["false"]
+    long = data.load_dataset("rg:add_until:min_times=29,max_times=29", size=50)
+    assert {len(r["question"]) for r in long} == {len(rows[0]["question"])}  # the same size at every length
+
+
 @pytest.mark.parametrize("name,message", [("rg:chain_sum:max_terms", "key=value"),
+                                          ("rg:add_until:min_times=29,max_times=29,max_total=300", "rejected the options"),
                                           ("rg:repeated_addition:min_times=5,max_times=2", "rejected the options"),
                                           ("rg:chain_sum:colour=red", "rejected the options"),
                                           ("rg:no_such_task", "has no task"),

@@ -344,12 +344,40 @@ def test_a_counted_steps_state_is_inside_a_short_carryover_at_every_cut(task, to
     assert short_loses
 
 
+def test_add_untils_state_is_its_last_total_inside_a_short_carryover_at_every_cut(tokenizer):
+    """Issue 63's next recipe (rg:add_until): each step compares its total with the question's bound, the last
+    step passes it and the answer grades 1; wherever a chunk ends, the last 28 tokens (the carryover at B = 140)
+    show the total the next step starts from. With 8 tokens some cut loses it (the check can fail)."""
+    short_loses = False
+    for row in data.load_reasoning_gym("add_until:min_times=1,max_times=29", 100, seed=0):
+        response = worked.worked_solution(row, "counted")
+        assert r1_zero_reward_fn(response, row["answer"])["reward"] == 1.0
+        start, step, bound = map(int, worked.UNTIL.search(row["question"]).groups())
+        steps = response.split("</think>")[0]
+        written = [tuple(map(int, s)) for s in re.findall(r"(\d+) \+ (\d+) = (\d+) [<>] (\d+)\.", steps)]
+        totals = [start + k * step for k in range(len(written) + 1)]
+        assert written == [(a, step, b, bound) for a, b in zip(totals, totals[1:])]
+        assert steps.count(">") == 1 and steps.rstrip().endswith(f"> {bound}.") and totals[-2] < bound < totals[-1]
+
+        def total_in(text):  # the left operand of a step begun after the last full stop, else the last step's total
+            begun, done = re.findall(r"(\d+) \+", text[text.rfind(".") + 1:]), re.findall(r"= (\d+) [<>] \d+\.", text)
+            return int(begun[-1]) if begun else int(done[-1]) if done else None
+        ids = tokenizer(steps, add_special_tokens=False).input_ids
+        for cut in range(1, len(ids) + 1):
+            truth = total_in(tokenizer.decode(ids[:cut]))
+            if truth is None:
+                continue
+            assert total_in(tokenizer.decode(ids[max(0, cut - 28):cut])) == truth, (row, cut)
+            short_loses |= total_in(tokenizer.decode(ids[max(0, cut - 8):cut])) != truth
+    assert short_loses
+
+
 sys.path.insert(0, str(ROOT / "bench"))  # delethink_demo imports its siblings (the stage runner, the readers)
 delethink_demo = importlib.import_module("delethink_demo")
 sys.path.remove(str(ROOT / "bench"))
 
 
-@pytest.mark.parametrize("task", ["sums", "repeated"])
+@pytest.mark.parametrize("task", ["sums", "repeated", "until"])
 @pytest.mark.parametrize("budget", [120, 20])
 def test_the_delethink_demos_arms_get_the_same_thinking_budget(budget, task):
     """Issue 63: Delethink's 4 chunks hold exactly B thinking tokens, as LongCoT's limit; 9 and 19 chunks 2B and
@@ -363,7 +391,18 @@ def test_the_delethink_demos_arms_get_the_same_thinking_budget(budget, task):
     assert parse(RLArgs, rl[2:]).delethink_budget() == parse(EvalArgs, tests["delethink"]["8x1"]).delethink_budget()
 
 
-@pytest.mark.parametrize("task", ["sums", "repeated"])
+@pytest.mark.parametrize("task", ["sums", "repeated", "until"])
+def test_the_delethink_demos_default_budget_holds_every_solution_it_asks_for(task, tokenizer):
+    """The trained budget B holds each RL question's worked solution, 2B and 4B each 15- and 30-term one (SmolLM2's
+    tokenizer: the real model's), so a wrong answer at a length is the model's, not the budget's."""
+    budget, (_, rl_task, tests) = delethink_demo.BUDGET[task], delethink_demo.TASKS[task]
+    for spec, scale in [(rl_task, 1)] + [(tests[n], k) for n, k in delethink_demo.SCALE.items()]:
+        rows = data.load_dataset(spec, "test", size=30)
+        longest = max(len(tokenizer(worked.worked_solution(r, "counted").split("</think>")[0]).input_ids) for r in rows)
+        assert longest <= scale * budget, (spec, longest)
+
+
+@pytest.mark.parametrize("task", ["sums", "repeated", "until"])
 def test_the_delethink_demo_never_evaluates_on_a_question_it_trains_on(task):
     """SFT's chains have 2-6 terms, RL's 8 and the longer evaluations 15 and 30: no shared question; the 8-term
     evaluation is the test split (sums) or the held-out half of the (start, step) pairs (repeated), which RL under
@@ -396,6 +435,11 @@ def test_the_delethink_demo_finds_the_first_step_that_goes_wrong_and_what_differ
     repeated = "Start at 37 and add 7 to it 3 times. What is the result?"  # counted from #1
     assert check(repeated, " #1 37 + 7 = 44. #2 44 + 7 = 51. #3 51 + 7 = 58.") == (None, "all steps right")
     assert check(repeated, " #1 37 + 7 = 44. #2 44 + 5 = 49.") == (2, "wrong term")
+    until = "Start at 137 and add 7 until the result is more than 150. What is the result?"  # compared, counted from 1
+    assert check(until, " 137 + 7 = 144 < 150. 144 + 7 = 151 > 150.") == (None, "all steps right")
+    assert check(until, " 137 + 7 = 144 > 150.") == (1, "wrong comparison")
+    assert check(until, " 137 + 7 = 144 < 150.") == (None, "stopped early")
+    assert check(until, " 137 + 7 = 144 < 150. 144 + 7 = 151 < 150. 151 + 7 = 158 > 150.") == (2, "wrong comparison")
     records = [{"prompt": f"User: {question}\nAssistant: <think>", "response": r} for r in
                (right, right.replace("#5 26 + 2", "#5 26 + 9"))]
     kinds, bands = delethink_demo.step_errors(records)
