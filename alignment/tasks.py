@@ -13,11 +13,12 @@ seeds, and both halves hold every kind of addition. (A first split by the parity
 then never added an even step to an odd total, and the held-out questions that do scored 0.61 against 1.00.)
 
 `add_until` (issue 63, the next recipe): "Start at 137 and add 7 until the result is more than 180." On
-repeated_addition SmolLM2-135M, fine-tuned on 1-5 additions and RL-trained on 7, read "14 times" and "29 times" as
-two (docs/results.md): a count it never saw. Here the rule to stop is the same at every length, a comparison of the
-total with the question's bound, written out in each step (` 137 + 7 = 144 < 180.` ... ` 179 + 7 = 186 > 180.`), and
-no total equals the bound; every total stays under `max_total` whatever the length, so a long chain adds the same
-kind of numbers as a short one. Held out as repeated_addition, by the (start, step) pairs.
+repeated_addition SmolLM2-135M, fine-tuned on 1-5 additions and RL-trained on 7, stopped after two additions when
+asked for 29 and mostly after 4-9 when asked for 14 (docs/results.md): counts it never saw. Here the rule to stop is
+the same at every length, a comparison of the total with the question's bound, written out in each step
+(` 137 + 7 = 144 < 180.` ... ` 179 + 7 = 186 > 180.`), and no total equals the bound; every total stays under `max_total`
+whatever the length, so a long chain adds the same kind of numbers as a short one. Held out as repeated_addition, by
+the (start, step) pairs.
 """
 
 from dataclasses import dataclass

@@ -19,12 +19,12 @@ every length. On the sums, both arms lost the chain at ~8 terms by reading the w
 (docs/results.md, seed 0): that tests reading, not thinking past a budget. Its evaluations are on the held-out
 half of the (start, step) pairs; the solution takes 117, 227 and 467 tokens at most at 8, 15 and 30 terms.
 
-`--task until` (alignment/tasks.py's add_until, `Start at 137 and add 7 until the result is more than 180.`, steps
-` 137 + 7 = 144 < 180.` to ` 179 + 7 = 186 > 180.`): on repeated_addition seed 0 both arms read "14 times" and
-"29 times", counts they never saw, as two (docs/results.md); here each step's comparison with the bound says whether
-to stop, the same rule at every length, and every total stays under 800. RL on 6-7 additions; B = 140 (a step is
-~18 tokens: 7 additions take 139; 14 and 29 take 265 and 535, inside 2B and 4B; the carryover B/5 = 28 holds the
-last total at every cut, tests/test_worked.py).
+`--task until` (alignment/tasks.py's add_until, `Start at 137 and add 7 until the result is more than 180.`,
+steps ` 137 + 7 = 144 < 180.` to ` 179 + 7 = 186 > 180.`): on repeated_addition seed 0 both arms stopped after two additions
+when asked for 29, a count they never saw, and mostly after 4-9 when asked for 14 (docs/results.md); here each
+step's comparison with the bound says whether to stop, the same rule at every length, and every total stays under
+800. RL on 6-7 additions; B = 140 (a step is ~18 tokens: 7 additions take 139; 14 and 29 take 265 and 535, inside 2B
+and 4B; the carryover B/5 = 28 holds the last total at every cut, tests/test_worked.py).
 
 Per seed, each stage a plain command (printed as it starts, its output in <out>/<stage>.log):
 1. `alignment.sft --worked_style counted` on 2-6 terms, each solution also cut into the rows Delethink would make of
