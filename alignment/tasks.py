@@ -68,8 +68,11 @@ class RepeatedAdditionDataset(ProceduralDataset):
         c = config
         pairs = [(start, step) for start in range(c.min_start, c.max_start + 1) for step in range(c.min_step, c.max_step + 1)]
         held_out = held_out_half(pairs)
-        self.pairs = [pair for pair in pairs if (pair in held_out) == c.held_out]
+        self.pairs = [pair for pair in pairs if (pair in held_out) == c.held_out and self.keeps(pair)]
         Random(self.seed).shuffle(self.pairs)
+
+    def keeps(self, pair: tuple[int, int]) -> bool:
+        return True
 
     def __getitem__(self, idx: int) -> dict:
         start, step = self.pairs[idx % len(self.pairs)]
@@ -83,17 +86,10 @@ if "repeated_addition" not in DATASETS:
 
 
 @dataclass
-class AddUntilConfig:
-    min_times: int = 2  # the additions a chain needs
-    max_times: int = 6
+class AddUntilConfig(RepeatedAdditionConfig):
     min_start: int = 100
     max_start: int = 699
-    min_step: int = 2
-    max_step: int = 9
     max_total: int = 799  # no total passes it: a pair is drawn only if its chain of max_times stays under it
-    held_out: bool = False
-    seed: int | None = None
-    size: int = 500
 
     def validate(self):
         assert 1 <= self.min_times <= self.max_times, "need 1 <= min_times <= max_times"
@@ -103,18 +99,13 @@ class AddUntilConfig:
             "max_total is too small for max_times additions of max_step from min_start"
 
 
-class AddUntilDataset(ProceduralDataset):
+class AddUntilDataset(RepeatedAdditionDataset):
     """Row i: the i-th pair of the config's half (shuffled by the dataset's seed) whose chain of max_times stays
     under max_total, a count of additions drawn from `seed + i` and a bound strictly between the last two totals."""
 
-    def __init__(self, config: AddUntilConfig):
-        super().__init__(config=config, seed=config.seed, size=config.size)
-        c = config
-        pairs = [(start, step) for start in range(c.min_start, c.max_start + 1) for step in range(c.min_step, c.max_step + 1)]
-        held_out = held_out_half(pairs)
-        self.pairs = [(start, step) for start, step in pairs
-                      if ((start, step) in held_out) == c.held_out and start + c.max_times * step <= c.max_total]
-        Random(self.seed).shuffle(self.pairs)
+    def keeps(self, pair: tuple[int, int]) -> bool:
+        start, step = pair
+        return start + self.config.max_times * step <= self.config.max_total
 
     def __getitem__(self, idx: int) -> dict:
         start, step = self.pairs[idx % len(self.pairs)]
