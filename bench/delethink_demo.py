@@ -364,7 +364,7 @@ def main():
     parser.add_argument("--overwrite", action="store_true",
                         help="run again a stage whose folder holds a result made with other flags (default: refuse)")
     args = parser.parse_args()
-    args.budget = args.budget or BUDGET[args.task]
+    args.budget = BUDGET[args.task] if args.budget is None else args.budget  # --budget 0 is refused below, not replaced
     if args.sft_examples < 8 or args.sft_examples % 8:
         parser.error("--sft_examples must be a positive multiple of 8 (one SFT step takes 8)")
     if args.budget < 10 or args.budget % 5:
