@@ -136,7 +136,7 @@ class StaticSampler(HFSampler):
     def _state(self, rows: int, width: int, total: int, vocab: int, prefill, device) -> "_State":
         """The decoding buffers for `rows` rows of `total` tokens (`width` of prompt), made once per shape and
         reused, so that a compiled step keeps its graph (CUDA graphs read and write fixed addresses)."""
-        key = (rows, width, total)
+        key = (rows, width, total, torch.is_autocast_enabled(device.type))  # autocast decides the values' dtype
         if key not in self._states:
             if len(self._states) >= KEPT_SHAPES:  # without compiling (the CPU) every batch has its own shape
                 self._states.pop(next(iter(self._states)))
@@ -144,6 +144,11 @@ class StaticSampler(HFSampler):
             for layer, prompt_layer in zip(cache.layers, prefill.layers):  # allocate: (rows, heads, total, dim)
                 layer.lazy_initialization(prompt_layer.keys[:1].expand(rows, -1, -1, -1),
                                           prompt_layer.values[:1].expand(rows, -1, -1, -1))
+                # transformers sizes both by the keys' dtype. Under autocast the keys leave the rotary embedding in
+                # fp32 but the values leave their projection in the autocast dtype, as every decode step writes them
+                # (the reference's growing cache holds them promoted to fp32: the same numbers)
+                if torch.is_autocast_enabled(device.type):
+                    layer.values = layer.values.to(torch.get_autocast_dtype(device.type))
             banned = torch.zeros(vocab, dtype=torch.bool, device=device)
             banned[self.eos_ids] = True
             self._states[key] = _State(

@@ -77,6 +77,17 @@ def test_static_equals_the_reference_on_the_same_uniforms(tiny_model, tokenizer,
                 assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_static_equals_the_reference_under_bf16_autocast(tiny_model, tokenizer):
+    # the training runs' precision on a bf16 CPU or a GPU: keys leave the rotary embedding in fp32, values in bf16
+    # (a cache sized by the keys' dtype alone failed CI on an AVX512-BF16 machine, 2026-11-29)
+    _untied(tiny_model)
+    params = SamplingParams(n=2, temperature=0, max_tokens=12)  # greedy: bf16's rounding flips sampled draws
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = CounterReference(tiny_model, tokenizer, batch_size=8).generate(PROMPTS, params)
+        static = StaticSampler(tiny_model, tokenizer, batch_size=8, check_every=5).generate(PROMPTS, params)
+    assert _tokens(static) == _tokens(reference)
+
+
 def test_finished_rows_are_cut_where_the_reference_cuts_them(tiny_model, tokenizer):
     """A stop string and EOS end rows mid-batch (found at a host check several tokens later) while the others
     go on; each row ends exactly where the reference's token-by-token check ends it."""
