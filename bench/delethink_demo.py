@@ -376,6 +376,7 @@ def main():
     if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
         parser.error("--seeds must be distinct numbers from 0")
     out = Path(args.out or ROOT / "outputs" / ("delethink_demo" if args.task == "sums" else f"delethink_demo_{args.task}"))
+    out = out.resolve()  # the stages run in ROOT: their paths must not depend on where this one was started
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} is a file: name a folder")
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))

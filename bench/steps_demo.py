@@ -123,6 +123,20 @@ def record(stage: Stage, known: dict) -> dict:
     return {"command": stage.command, "reads": {name: known.get(name) for name in stage.reads}}
 
 
+def portable(entry: dict | None, out: Path) -> dict | None:
+    """A record with each path inside `out` written relative to it (a relative one read from ROOT, where the stages
+    run), so that the same folder named as `outputs/x` in one run and `/path/to/outputs/x` in another is the same."""
+    if entry is None:
+        return None
+    base = out.resolve()
+
+    def word(arg: str) -> str:
+        path = (ROOT / arg).resolve()
+        return f"<out>/{path.relative_to(base)}" if path.is_relative_to(base) else arg
+    return {"command": [word(arg) for arg in entry["command"]],
+            "reads": {name: portable(read, out) for name, read in entry["reads"].items()}}
+
+
 def used(folder: Path) -> bool:
     return folder.is_dir() and any(p.name != ".lock" for p in folder.iterdir())
 
@@ -133,7 +147,7 @@ def check_plan(plan: list[Stage], out: Path, overwrite: bool):
     known, wanted = records(out), {}
     for stage in plan:
         wanted[stage.name] = record(stage, wanted)
-        mine = known.get(stage.name) == wanted[stage.name] and stage.holds_its_own()
+        mine = portable(known.get(stage.name), out) == portable(wanted[stage.name], out) and stage.holds_its_own()
         if used(stage.folder) and not mine and not overwrite:
             why = "other flags" if stage.name in known else "no record of its flags (an older demo, or by hand)"
             sys.exit(f"{NAME} error: {stage.folder} holds a {stage.name} result made with {why}: choose "
@@ -150,7 +164,7 @@ def run_stage(stage: Stage, out: Path) -> float | None:
     times_path, known = out / "times.json", records(out)
     times = json.loads(times_path.read_text()) if times_path.exists() else {}
     mine = record(stage, known)
-    same = known.get(stage.name) == mine and stage.holds_its_own()
+    same = portable(known.get(stage.name), out) == portable(mine, out) and stage.holds_its_own()
     if same and stage.finished():
         print(f"{NAME} {stage.name}: done, kept", flush=True)
         return times.get(stage.name)
@@ -333,7 +347,7 @@ def main():
     if clash:
         parser.error(f"--rl_flags may not set {', '.join(clash)}: the driver sets {'it' if len(clash) == 1 else 'them'} "
                      f"(its folders, steps and evaluations; see --rl_steps, --limit, --seeds, --out)")
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the stages run in ROOT: their paths must not depend on where this one was started
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} is a file: name a folder")
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))

@@ -208,7 +208,7 @@ def main():
             parser.error(f"--{flag} must be at least 1")
     if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds) or len(set(args.arms)) < len(args.arms):
         parser.error("--seeds must be distinct numbers from 0, and --arms distinct")
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the stages run in ROOT: their paths must not depend on where this one was started
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} is a file: name a folder")
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))

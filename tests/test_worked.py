@@ -172,6 +172,10 @@ def test_the_demo_driver_runs_every_stage_and_resumes(tiny_model_dir, tmp_path):
     assert "- Calculate " in samples and "A conversation" not in samples  # each sample names its question
     again = subprocess.run(command, capture_output=True, text=True, timeout=900)  # every stage kept
     assert again.returncode == 0 and again.stdout.count("done, kept") == 8, again.stdout
+    # the same folder named from another working directory (its stages run in ROOT): every stage kept
+    elsewhere = subprocess.run([sys.executable, str(ROOT / "bench" / "steps_demo.py"), *command[2:-1], "demo"],
+                               capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert elsewhere.returncode == 0 and elsewhere.stdout.count("done, kept") == 8, elsewhere.stdout
     # another recipe in the same folder: refused before any stage runs (it once reused this SFT for its RL)
     other = subprocess.run(command + ["--worked_style", "rewrite"], capture_output=True, text=True, timeout=900)
     assert other.returncode != 0 and "sft-seed0 result made with other flags" in other.stderr, other.stderr
@@ -188,6 +192,22 @@ def test_the_demo_driver_runs_every_stage_and_resumes(tiny_model_dir, tmp_path):
     assert again.returncode != 0 and "sft-seed0: done, kept" in again.stdout, again.stdout
     assert "rl-seed0: done, kept" not in again.stdout and "rl-seed0: uv run python" in again.stdout
     assert "rewrite" in json.loads((tmp_path / "demo" / "stages.json").read_text())["sft-seed0"]["command"]
+
+
+def test_a_demo_folder_named_relatively_or_absolutely_is_the_same_folder(tmp_path):
+    """A run with `--out outputs/x` and one with `--out /path/to/outputs/x` once refused each other's results ("made
+    with other flags"): records compare with the folder's paths written relative to it."""
+    import os
+    out = tmp_path / "demo"
+
+    def entry(folder, reads=None):
+        return {"command": ["-m", "alignment.evaluate", "--model", str(folder / "sft-seed0"), "--limit", "2"],
+                "reads": {"sft-seed0": reads}}
+    relative = Path(os.path.relpath(out, demo.ROOT))  # as a user in ROOT types it
+    assert demo.portable(entry(out, entry(out)), out) == demo.portable(entry(relative, entry(relative)), out)
+    assert demo.portable(entry(out), out)["command"][3] == "<out>/sft-seed0"
+    assert demo.portable(entry(tmp_path / "other"), out) != demo.portable(entry(out), out)  # another folder differs
+    assert demo.portable(None, out) is None
 
 
 @pytest.mark.parametrize("task", TASKS + ("products:min_terms=2,max_terms=2,min_digits=3,max_digits=4",))
