@@ -159,6 +159,8 @@ def main(args: RLArgs) -> dict:
     run.say(f"[train_rl] policy: {lora.describe(m.policy, args)}; KL reference: {reference}")
     once = {"trainable_params": sum(p.numel() for p in lora.trainable_parameters(m.policy))}  # in the first record
     push = WeightPush(m.policy)
+    # on a GPU the clock is read once the queued kernels have run, so a phase's time does not land in the next one
+    settle = (lambda: torch.cuda.synchronize(roles["policy"][0])) if roles["policy"][0].startswith("cuda") else (lambda: None)
     state = run.restore(m.policy, m.optimizer) or {}
     if m.critic is not None and state:
         m.critic_optimizer.load_state_dict(state["critic_optimizer"])
@@ -225,8 +227,10 @@ def main(args: RLArgs) -> dict:
                 train.update(experience.metrics)
                 bad_steps = _update(args, m, experience, len(batch.traces) // args.group_size, step, train, push,
                                     bad_steps, run.checkpoint)
+            settle()
             times["train"] = time.perf_counter() - start
             times["sync"] = times.get("sync", 0.0) + source.after_update()
+            settle()
             times["step"] = time.perf_counter() - step_start  # the step's wall time, evaluation and checkpoint aside
 
             # 4. Log, write a few full rollouts, evaluate, checkpoint.

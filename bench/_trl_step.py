@@ -29,7 +29,7 @@ def main(settings: dict):
 
     max_tokens = settings["max_tokens"]
     config = GRPOConfig(
-        output_dir=settings["output_dir"], use_cpu=True, bf16=settings.get("bf16", False), fp16=False, report_to="none",
+        output_dir=settings["output_dir"], use_cpu=not settings.get("cuda"), bf16=settings.get("bf16", False), fp16=False, report_to="none",
         save_strategy="no", eval_strategy="no", logging_steps=1, disable_tqdm=True, seed=settings["seed"],
         max_steps=settings["steps"], learning_rate=settings["learning_rate"], lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, adam_beta2=0.95, max_grad_norm=1.0,
@@ -67,11 +67,15 @@ def main(settings: dict):
 
     trainer._generate_single_turn, trainer._generate_and_score_completions = timed_generate, timed_generate_and_score
 
+    settle = torch.cuda.synchronize if settings.get("cuda") else (lambda: None)  # the clock after the GPU's queue
+
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
+            settle()
             step.update(generate=0.0, generate_and_score=0.0, tokens=0, start=time.perf_counter())
 
         def on_step_end(self, args, state, control, **kwargs):
+            settle()
             total = time.perf_counter() - step["start"]
             print(json.dumps({"total": total, "generate": step["generate"],
                               "score": step["generate_and_score"] - step["generate"],

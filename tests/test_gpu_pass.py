@@ -1,6 +1,6 @@
 """bench/gpu_pass.py's CPU dry run: every stage of the GPU pass (the gpu tests, train_rl with --precision auto,
-the 1.5B-shaped run at a tiny size, torchrun with one process on gloo and its resume, SFT, evaluation) runs
-and passes its checks, so a change that would break the pass fails here instead of on a lent GPU."""
+the 1.5B-shaped run at a tiny size, torchrun with one process on gloo and its resume, SFT, evaluation, the
+decode rate, bench/rl_step.py against TRL) runs and passes its checks, so a change that would break the pass fails here instead of on a lent GPU."""
 
 import json
 import subprocess
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = {"pytest", "rl", "qwen_shape", "fsdp", "fsdp_resume", "sft", "evaluate", "sampler"}
+STAGES = {"pytest", "rl", "qwen_shape", "fsdp", "fsdp_resume", "sft", "evaluate", "sampler", "trl"}
 
 
-@pytest.mark.slow  # about 5 minutes on 2 cores: seven processes, two of them under torchrun
+@pytest.mark.slow  # about 6 minutes on 2 cores: nine processes, two of them under torchrun
 def test_the_gpu_pass_runs_every_stage_on_the_cpu(data_dir, tmp_path):
     done = subprocess.run([sys.executable, "bench/gpu_pass.py", "run", "--device", "cpu", "--tiny", "--budget", "1200",
                            "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
@@ -26,6 +26,7 @@ def test_the_gpu_pass_runs_every_stage_on_the_cpu(data_dir, tmp_path):
     assert stages["rl"]["master_weights"] == "fp32" and stages["rl"]["eval_steps"] == [0, 5]
     assert stages["fsdp"]["backend"] == "gloo" and stages["fsdp_resume"]["steps"] == [1, 2, 3]
     assert stages["qwen_shape"]["train_mfu"] > 0 and stages["qwen_shape"]["generated_tokens_per_s"] > 0
+    assert stages["trl"]["ours"]["tokens"] == stages["trl"]["trl"]["tokens"] == 4 * 8  # the same work on both sides
     assert "skipped" in stages["pytest"]["summary"]  # no CUDA here: the gpu tests skip, cleanly
     assert "[gpu_pass] done" in (tmp_path / "out" / "log.txt").read_text()
 
