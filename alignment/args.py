@@ -46,7 +46,7 @@ GROUPS = {
                       "delethink_max_turns", "max_tool_calls", "tool_timeout", "mask_observations", "tir_reward_scheme",
                       "exec_penalty"),
     "devices and backends": ("device", "sample_device", "reference_model_device", "eval_device", "critic_device",
-                             "backend", "precision", "bf16_weights", "keep_freed_memory", "sample_batch_size",
+                             "backend", "precision", "bf16_weights", "compile_layers", "keep_freed_memory", "sample_batch_size",
                              "eval_batch_size", "gpu_memory_utilization", "kv_cache_gib", "vllm_enforce_eager",
                              "vllm_max_model_len"),
     "run folder, evaluation and logging": ("output_dir", "resume", "overwrite", "save_every", "eval_every",
@@ -496,6 +496,7 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
     reference_model_device: str | None = arg(None, "device of the frozen reference model (default: with 4+ GPUs the second from last, with 3 the third, with 2 the second, else the policy's)")
     eval_device: str | None = arg(None, "device of periodic evaluation (default: with 4+ GPUs the last, with 2-3 the reference's, else the policy's)")
     bf16_weights: bool = arg(False, "GPU with bf16 precision: keep the policy's parameters and AdamW state in bf16 (half the memory; small updates round away). Default: fp32 master weights, bf16 autocast")
+    compile_layers: bool = arg(False, "train the policy with each decoder layer compiled (torch.compile, fullgraph: one graph shared by every layer, the element-wise work fused; on a GPU the launches fall with it), for forwards without a key/value cache (packed groups, torchrun's); the first step pays the compile (tens of seconds); numbers differ from eager by rounding only. Samplers and the reference are not compiled")
     sample_batch_size: int = arg(64, "HF sampler: sequences per generation batch")
     output_dir: str | None = arg(None, "run folder (default checkpoints/rl/<loss_type>-<time>): config.json, metrics.jsonl, rollouts.jsonl, checkpoint/")
 

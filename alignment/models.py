@@ -7,16 +7,20 @@ this project), or the name of a model shipped inside a PyPI package (`smollm2-13
 
 import contextlib
 import errno
+import functools
 import importlib.util
 import json
 import os
 import shutil
+import types
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
                           LlamaForCausalLM)
+
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from alignment import attention, distributed, lora
 from alignment.errors import MissingFileError, UserError
@@ -361,6 +365,46 @@ def load_policy_model(name: str, policy_devices: list[str], dtype: torch.dtype |
     model = load_model(name, policy_devices[0], dtype, device_map=device_map)
     check_output_head(model)
     return model
+
+
+COMPILE_BACKEND = "inductor"  # torch.compile's; the tests take "aot_eager" (the same graph, no code generation)
+
+
+def compile_layers(model) -> int:
+    """Compile the decoder layers of `model` in place (`--compile_layers`) for the forwards without a key/value
+    cache (training's packed groups and FSDP's one forward): each layer class's forward is compiled once, with
+    `fullgraph=True` (a graph break is an error, not a silent slow path), and every layer of the class runs
+    that graph (parameters are its inputs). Every input's sizes are marked dynamic where nothing fixes them
+    (`maybe_mark_dynamic`: lengths and batch; the hidden size meets the parameters' and stays fixed), so the
+    first compile serves every length and batch (`dynamic=True` would make the parameters' shapes symbolic
+    too). A call with a cache (decoding, the
+    prompt-cache path) runs eagerly: its per-layer cache state would compile a graph per layer. Returns how
+    many layers were compiled."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise UserError(f"--compile_layers compiles the decoder layers of transformers' models, and "
+                        f"{type(model).__name__} has none that it recognises: drop the flag.")
+    compiled = {}
+    for layer in layers:
+        cls = type(layer)
+        if cls not in compiled:
+            compiled[cls] = torch.compile(cls.forward, backend=COMPILE_BACKEND, fullgraph=True)
+
+        layer.forward = types.MethodType(functools.partial(_layer_forward, compiled[cls]), layer)
+    return len(layers)
+
+
+def _layer_forward(compiled, layer, *args, **kwargs):
+    """A compiled layer's forward (bound to it, so a deep copy of the model runs its own copy): the compiled
+    graph without a key/value cache, the class's eager forward with one."""
+    if kwargs.get("past_key_values") is not None:
+        return type(layer).forward(layer, *args, **kwargs)
+    for value in (*args, *kwargs.values()):  # lengths and batch symbolic from the first compile (a size fixed by
+        for tensor in value if isinstance(value, tuple) else (value,):  # a parameter's is kept fixed)
+            if isinstance(tensor, torch.Tensor):
+                for dim in range(tensor.dim()):
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    return compiled(layer, *args, **kwargs)
 
 
 def load_policy(run, args, devices: list[str], dtype: torch.dtype):

@@ -405,7 +405,7 @@ def check_output_head(model):
 
 def _one_forward_log_probs(model, prompts, responses, return_token_entropy, temperature, entropy_grad) -> dict:
     device = next(model.parameters()).device
-    logits = model(input_ids=_right_padded(prompts, responses, device)).logits  # (B, L, V)
+    logits = model(input_ids=_right_padded(prompts, responses, device), use_cache=False).logits  # (B, L, V)
     logits = torch.nn.utils.rnn.pad_sequence(
         [logits[i, len(p) - 1:len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(prompts, responses))],
         batch_first=True)  # (B, T, V): the positions that predict response tokens

@@ -292,6 +292,9 @@ def load_models(args: RLArgs, run: Run, roles: dict, device: str, backend: str) 
     policy = models.load_policy(run, args, roles["policy"], dtype)
     if device:
         distributed.shard(policy, device, bf16=models.resolve_precision(args.precision, device) == "bf16")
+    if args.compile_layers:  # after sharding; the samplers below are copies, or share it only on the CPU
+        run.say(f"[train_rl] --compile_layers: {models.compile_layers(policy)} decoder layers compiled "
+                f"({models.COMPILE_BACKEND}); the first forward of each kind pays the compile")
 
     def copy(name, role):  # a model that is only run, in the run's precision on its device
         return models.load_model(name, roles[role], models.default_dtype(roles[role], args.precision))

@@ -22,7 +22,7 @@ built from a config (the 514 MB SmolLM2 weights cannot travel): right for speed 
   fsdp_resume  the same run resumed from its checkpoint to step 3
   sft          sft, 5 steps; then evaluate: evaluate --limit 16 on its result
                (fsdp, fsdp_resume, sft and evaluate sample with --hf_decoding loop: no compile in their budget)
-  qwen_shape   (last: the longest) train_rl with Qwen2.5-Math-1.5B's architecture (28 layers, hidden
+  qwen_shape   (the longest) train_rl with Qwen2.5-Math-1.5B's architecture (28 layers, hidden
                1536, 12 heads, 2 KV heads, MLP 8960, tied embeddings, SmolLM2's vocabulary), 8 questions x group 8, answers
                forced to 256 tokens, microbatches of up to 32,768 tokens (--microbatch_tokens, CUDA's default: the
                whole train batch in one; the passes of 2026-11-26 and -28 ran 4 of 16 rows), 4 steps: s/step,
@@ -30,6 +30,8 @@ built from a config (the 514 MB SmolLM2 weights cannot travel): right for speed 
                torch.profiler: GPU-busy fraction (kernel time over wall time), aten operations, kernel launches,
                host syncs, and DIR/qwen_run_profile.txt (top operations by GPU time and by CPU self time);
                allocator retries
+  qwen_compiled  the same with --compile_layers (each decoder layer one compiled graph: the element-wise work
+               fused), 3 steps: the train phase of steps 2-3 against qwen_shape's, and step 1's (the compile)
   sampler      (if the budget allows) bench/decode_rate.py on the 1.5B shape: the reference loop and the static
                sampler (compiled, captured) at batch 64 x 256 tokens, beside a decode step's bandwidth floor
   trl          (if the budget allows) bench/rl_step.py on the GPU: seconds per GRPO step, ours (train_rl.main, HF
@@ -156,6 +158,9 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
         ("qwen_shape", [*in_process, "qwen_shape", "--profile_step", "4", "--", *qwen, "--rg_size", "200",
                         "--backend", "hf", *static, "--precision", "auto", "--eval_every", "0", "--save_every", "1000",
                         "--output_dir", str(work / "qwen_run")], 300),
+        ("qwen_compiled", [*in_process, "qwen_compiled", "--", *qwen[:qwen.index("--n_steps")], "--n_steps", "3",
+                           "--compile_layers", "--rg_size", "200", "--backend", "hf", *static, "--precision", "auto",
+                           "--eval_every", "0", "--save_every", "1000", "--output_dir", str(work / "qwen_compiled")], 300),
         ("sampler", [*python, "bench/decode_rate.py", "--model", str(work / "qwen"), "--device", args.device,
                      *(["--batch", "4", "--tokens", "8", "--prompt_tokens", "8"] if args.tiny else
                        ["--batch", "64", "--tokens", "256", "--prompt_tokens", "100"]),
@@ -369,6 +374,14 @@ def check_qwen(work, output, env):
     return _speed(work, "qwen_run", "qwen", steps[1:3], env)
 
 
+def check_qwen_compiled(work, output, env):
+    steps = _steps(work / "qwen_compiled")
+    assert len(steps) == 3, f"{len(steps)} steps logged"
+    assert "decoder layers compiled" in output, "--compile_layers compiled nothing"
+    # step 1's train phase holds the compile (and the first step's warm-up); steps 2-3 are timed
+    return {**_speed(work, "qwen_compiled", "qwen", steps[1:3], env), "s_train_first": round(steps[0]["seconds_train"], 2)}
+
+
 def _speed(work: Path, run: str, model: str, timed: list[dict], env: dict) -> dict:
     """Seconds, tokens/s, peak memory (from the stage worker) and the train phase's MFU of the timed steps."""
     measured = {**json.loads((work / f"{run}_stage.json").read_text()),
@@ -427,7 +440,8 @@ def check_trl(work, output, env):
 
 
 CHECKS = {"pytest": check_pytest, "rl": check_rl, "fsdp": check_fsdp, "fsdp_resume": check_resume, "sft": check_sft,
-          "evaluate": check_evaluate, "qwen_shape": check_qwen, "sampler": check_sampler, "trl": check_trl}
+          "evaluate": check_evaluate, "qwen_shape": check_qwen, "qwen_compiled": check_qwen_compiled,
+          "sampler": check_sampler, "trl": check_trl}
 
 
 def stage(args, flags: list[str]):

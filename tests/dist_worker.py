@@ -8,6 +8,7 @@ settings: {"script": "rl" | "sft", "args": {...flags...}, "fixed_rollouts": bool
 - uneven: only the first half of each step's questions (rank 0's share under 2 processes) get rewards
   with spread; the others get a constant reward 0 (with dynamic sampling they are filtered out, so rank 1
   trains on nothing and must still join every collective).
+- compile_backend: torch.compile's backend for --compile_layers (models.COMPILE_BACKEND; "aot_eager" in tests)
 - engine_report: after the run each rank writes to path.<rank> the largest gap between its own sampler's
   log-probs of a fixed sequence and those of the run's final checkpoint (and of the starting model).
 """
@@ -43,6 +44,7 @@ def main(settings: dict):
         return sft.main(SFTArgs(**settings["args"]))
     args = RLArgs(**settings["args"])
     args.check()
+    models.COMPILE_BACKEND = settings.get("compile_backend", models.COMPILE_BACKEND)
     if settings.get("fixed_rollouts"):
         experience.ROLLOUT_MODES["standard"] = scripted_rollouts
     mixed = None

@@ -88,6 +88,18 @@ def test_torchrun_with_one_process_shards_and_takes_the_same_steps(tiny_model_di
     assert_same_training(tmp_path)
 
 
+def test_two_processes_with_compiled_layers_take_one_eager_process_s_steps(tiny_model_dir, tmp_path):
+    """--compile_layers under torchrun: FSDP2's one forward per microbatch runs the compiled layers (a model
+    forward builds no key/value cache for them to refuse), over responses of several lengths, and the steps
+    are an eager single process's (aot_eager: the same graph, no code generation)."""
+    settings = {**rl_settings(tiny_model_dir, tmp_path / "p1", rollout_is="none"), "fixed_rollouts": True}
+    run(settings, 1, tmp_path)
+    settings["args"] = {**settings["args"], "output_dir": str(tmp_path / "p2"), "compile_layers": True}
+    done = run({**settings, "compile_backend": "aot_eager"}, 2, tmp_path)
+    assert "decoder layers compiled (aot_eager)" in done.stdout + done.stderr
+    assert_same_training(tmp_path)
+
+
 @pytest.mark.parametrize("estimator,microbatch_tokens", [("grpo", None), ("reinforce_pp_baseline", None),
                                                          ("grpo", 1000)])  # rows; microbatches sized by tokens
 def test_a_rank_with_nothing_to_train_joins_every_collective(tiny_model_dir, tmp_path, estimator, microbatch_tokens):

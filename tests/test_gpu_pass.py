@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = {"pytest", "rl", "qwen_shape", "fsdp", "fsdp_resume", "sft", "evaluate", "sampler", "trl"}
+STAGES = {"pytest", "rl", "qwen_shape", "qwen_compiled", "fsdp", "fsdp_resume", "sft", "evaluate", "sampler", "trl"}
 
 
-@pytest.mark.slow  # about 6 minutes on 2 cores: nine processes, two of them under torchrun
+@pytest.mark.slow  # about 7 minutes on 2 cores: ten processes, two of them under torchrun
 def test_the_gpu_pass_runs_every_stage_on_the_cpu(data_dir, tmp_path):
     done = subprocess.run([sys.executable, "bench/gpu_pass.py", "run", "--device", "cpu", "--tiny", "--budget", "1200",
                            "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
@@ -26,6 +26,7 @@ def test_the_gpu_pass_runs_every_stage_on_the_cpu(data_dir, tmp_path):
     assert stages["rl"]["master_weights"] == "fp32" and stages["rl"]["eval_steps"] == [0, 5]
     assert stages["fsdp"]["backend"] == "gloo" and stages["fsdp_resume"]["steps"] == [1, 2, 3]
     assert stages["qwen_shape"]["train_mfu"] > 0 and stages["qwen_shape"]["generated_tokens_per_s"] > 0
+    assert stages["qwen_compiled"]["train_mfu"] > 0 and stages["qwen_compiled"]["s_train_first"] > 0
     assert stages["trl"]["ours"]["tokens"] == stages["trl"]["trl"]["tokens"] == 4 * 8  # the same work on both sides
     assert "skipped" in stages["pytest"]["summary"]  # no CUDA here: the gpu tests skip, cleanly
     assert "[gpu_pass] done" in (tmp_path / "out" / "log.txt").read_text()
