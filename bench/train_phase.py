@@ -28,6 +28,9 @@ variant runs in a fresh process (its peak RSS is its own), on the same model, da
   prompt_per_microbatch  default with each microbatch running the prompt itself (the code before SharedPrompts)
   keep_memory   default with glibc keeping freed memory for the next step (alignment/allocator.py), what the
                 training scripts' --keep_freed_memory does
+  compiled      default with the decoder layers compiled (--compile_layers, inductor: one graph for every layer,
+                the element-wise work fused) for the forwards without a cache (packed groups); the warm-up step
+                holds the compile
   eager_attn    default with transformers' eager attention instead (measured, not adopted:
                 docs/results.md "The train phase, lever by lever")
 
@@ -54,7 +57,7 @@ from alignment import allocator, data, grpo, head, models, tokens  # noqa: E402
 from alignment.evaluate import build_prompts  # noqa: E402
 from bench.rl_step import matmul_peak  # noqa: E402
 VARIANTS = ("plain", "fused_head", "sdpa_attn", "default", "unpacked", "recompute_head", "prompt_per_microbatch",
-            "keep_memory", "eager_attn")
+            "keep_memory", "eager_attn", "compiled")
 
 
 def cpu_flags() -> str:
@@ -79,6 +82,8 @@ def run_variant(args, variant: str) -> dict:
     model = models.load_model(args.model)
     if variant in ("plain", "fused_head", "sdpa_attn", "eager_attn"):
         model.set_attn_implementation("eager" if variant == "eager_attn" else "sdpa")
+    if variant == "compiled":
+        models.compile_layers(model)
     model.train()
     _, autocast = models.train_precision("cpu", args.precision)
     adamw = (torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95)) if variant in ("plain", "fused_head") else
