@@ -19,7 +19,6 @@ import torch
 from safetensors import SafetensorError
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
                           LlamaForCausalLM)
-
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from alignment import attention, distributed, lora
@@ -377,9 +376,8 @@ def compile_layers(model) -> int:
     that graph (parameters are its inputs). Every input's sizes are marked dynamic where nothing fixes them
     (`maybe_mark_dynamic`: lengths and batch; the hidden size meets the parameters' and stays fixed), so the
     first compile serves every length and batch (`dynamic=True` would make the parameters' shapes symbolic
-    too). A call with a cache (decoding, the
-    prompt-cache path) runs eagerly: its per-layer cache state would compile a graph per layer. Returns how
-    many layers were compiled."""
+    too). A call with a cache (decoding, the prompt-cache path) runs eagerly: its per-layer cache state would
+    compile a graph per layer. Returns how many layers were compiled."""
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise UserError(f"--compile_layers compiles the decoder layers of transformers' models, and "

@@ -14,8 +14,8 @@ forced to exactly max_tokens (min_tokens on our sampler, min_new_tokens on TRL's
 generate the same number of tokens; --natural_length lets EOS and `</answer>` end them (our sampler stops
 at `</answer>`, TRL's does not) and the table then reports the tokens each side generated.
 
-The floors, measured in the same run: this CPU's (or GPU's, above) matmul rate in fp32 and bf16 (a 2048x576 by 576x1536
-product, the shape of SmolLM2's projections, at the same thread count), and each phase's FLOPs over the
+The floors, measured in the same run: this CPU's matmul rate in fp32 and bf16 (a 2048x576 by 576x1536
+product, the shape of SmolLM2's projections, at the same thread count; on a GPU an 8192^3 one), and each phase's FLOPs over the
 rate of its precision, for the least work the step needs: generation 2 N per token (the prompt once, then
 every generated token with a KV cache), training 6 N per token for one forward and backward over the
 prompt once and every response token, with N the parameter count (the tied head is a matmul at every
