@@ -7,8 +7,10 @@ top-level aten operations with a TorchDispatchMode, which torch.compile does not
 torch.profiler instead: every aten operation, nested ones too (an `aten::linear` and the `aten::mm` it calls are
 two), and the compiled regions. A compiled layer's element-wise work runs as fused kernels that are no aten
 operations; what stays are the matrix products (extern kernels), their views, and autograd's gradient
-accumulation. "Not views or allocations" leaves out the operations a GPU launches no kernel for. Per layer = (the 4-layer count - the 2-layer count) / 2, on train_rl's second optimizer step (the
-first compiles): 8 rows of 6 tokens, 2 microbatches of 4, groups of 4 packed, as tests/test_dispatch.py.
+accumulation. "Not views or allocations" leaves out the operations a GPU launches no kernel for. Per layer =
+(the 4-layer count - the 2-layer count) / 2, on train_rl's second optimizer step (the first compiles): 8 rows
+of 6 tokens, 2 microbatches of 4, groups of 4 packed, as tests/test_dispatch.py. The models and runs go to a
+temporary folder, removed at the end.
 """
 
 import argparse
@@ -66,17 +68,18 @@ def main():
     parser.add_argument("--top", type=int, default=8, help="the operations with the most calls per layer to show")
     args = parser.parse_args()
     tokenizer = models.load_tokenizer("smollm2-135m")
-    work = Path(tempfile.mkdtemp(prefix="launches-"))
     print(f"[bench] torch {torch.__version__}; torch.compile backend {models.COMPILE_BACKEND}; one optimizer step")
     for compiled in (False, True):
-        two, four = (count_second_step(tokenizer, n, compiled, work) for n in (2, 4))
+        with tempfile.TemporaryDirectory(prefix="launches-") as work:
+            two, four = (count_second_step(tokenizer, n, compiled, Path(work)) for n in (2, 4))
         per_layer = {k: (four[k] - two[k]) / 2 for k in four}
         aten = sum(v for k, v in per_layer.items() if k.startswith("aten::"))
         kernels = sum(v for k, v in per_layer.items() if k.startswith("aten::") and k[6:] not in NO_KERNEL)
         regions = sum(v for k, v in per_layer.items() if k.startswith(("Torch-Compiled", "CompiledFunction")))
         top = sorted(((v, k) for k, v in per_layer.items() if k.startswith("aten::")), reverse=True)[:args.top]
-        print(f"{'--compile_layers' if compiled else 'eager':17} aten operations per layer {aten:7.1f}, not views or allocations {kernels:6.1f} | compiled "
-              f"regions per layer {regions:4.1f} | most: " + ", ".join(f"{k[6:]} {v:.0f}" for v, k in top), flush=True)
+        print(f"{'--compile_layers' if compiled else 'eager':17} aten operations per layer {aten:7.1f}, not views or "
+              f"allocations {kernels:6.1f} | compiled regions per layer {regions:4.1f} | most: "
+              + ", ".join(f"{k[6:]} {v:.0f}" for v, k in top), flush=True)
 
 
 if __name__ == "__main__":
