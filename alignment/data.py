@@ -18,6 +18,7 @@ from pathlib import Path
 
 from alignment.drgrpo_grader import extract_gsm8k_answer
 from alignment.errors import MissingFileError, UserError, cli
+from alignment.seeds import derive_seed
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
@@ -184,13 +185,24 @@ def _option_value(text: str):
     return text
 
 
+RG_TEST_SEED = 1_000_003  # every rg: test split's data seed, whatever the run's seed (the set evaluate scores)
+
+
+def rg_data_seed(split: str, seed: int) -> int:
+    """The reasoning-gym seed of a split. reasoning-gym seeds row i with `data seed + i`, so run seeds used as
+    data seeds would give consecutive seeds the same rows shifted by one: a training split's data seed is a hash
+    of (split, run seed), so each seed draws other questions; the test split's is fixed, so every run and every
+    later `alignment.evaluate` score the same questions (31 bits: some tasks seed numpy with it)."""
+    return RG_TEST_SEED if split == "test" else derive_seed("rg", split, seed) % 2**31
+
+
 def load_dataset(name: str, split: str = "test", data_dir: str | None = None, size: int = 2000,
                  seed: int = 0) -> list[dict]:
-    """Rows for `name`: gsm8k, a MATH-style set, or `rg:<task>` (reasoning-gym; `size` problems
-    generated from the seed; reasoning-gym seeds item i with seed + i, so the test split starts a
-    million seeds away: disjoint seeds, though a task with few distinct problems repeats questions)."""
+    """Rows for `name`: gsm8k, a MATH-style set, or `rg:<task>` (reasoning-gym; `size` problems generated
+    from `rg_data_seed(split, seed)`; a task with few distinct problems can repeat a question across splits,
+    which the scripts leave out of training)."""
     if name.startswith("rg:"):
-        return load_reasoning_gym(name[3:], size, seed + (1_000_003 if split == "test" else 0))
+        return load_reasoning_gym(name[3:], size, rg_data_seed(split, seed))
     if name == "gsm8k":
         return load_gsm8k(split, data_dir)
     if name in MATH_STYLE:

@@ -24,7 +24,6 @@ samples on replay (resume), whatever else is in the batch.
 """
 
 import contextlib
-import hashlib
 import logging
 import os
 import time
@@ -36,14 +35,7 @@ from transformers import DynamicCache
 
 from alignment import distributed, lora, models
 from alignment.errors import UserError
-
-
-def derive_seed(*parts) -> int:
-    """A 63-bit seed that is a pure function of `parts` (ints or strings), and unrelated for any two
-    different tuples: (run seed, step, round) -> a step's base seed; (base, prompt key, child) -> a
-    request's seed. A hash, not base + k, so that nearby tuples do not share random streams."""
-    digest = hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+from alignment.seeds import derive_seed
 
 
 @dataclass

@@ -7,9 +7,9 @@ basic_arithmetic sums, SmolLM2-135M's chains broke at finding the k-th of 30 num
 the budget: docs/results.md). Worked solution (`--worked_style counted`): ` #1 37 + 7 = 44. #2 44 + 7 = 51.`; the
 count to stop at is in the question, which every Delethink chunk sees.
 
-Held out by construction: the (start, step) pairs are split into two halves by a fixed shuffle (seed 63, not the
-dataset's), so an evaluation on `held_out=true` never sees a question trained on `held_out=false`, whatever the
-seeds, and both halves hold every kind of addition. (A first split by the parity of start + step did not: training
+Held out by construction: each (start, step) pair falls in one of two halves by a hash of the pair (salted with 63,
+not the dataset's seed), so an evaluation on `held_out=true` never sees a question trained on `held_out=false`,
+whatever the seeds and ranges, and both halves hold every kind of addition. (A first split by the parity of start + step did not: training
 then never added an even step to an odd total, and the held-out questions that do scored 0.61 against 1.00.)
 
 `add_until` (issue 63, the next recipe): "Start at 137 and add 7 until the result is more than 180." On
@@ -27,16 +27,18 @@ from random import Random
 from reasoning_gym.dataset import ProceduralDataset
 from reasoning_gym.factory import DATASETS, register_dataset
 
+from alignment.seeds import derive_seed
+
 QUESTION = "Start at {start} and add {step} to it {times} times. What is the result?"
 UNTIL = "Start at {start} and add {step} until the result is more than {bound}. What is the result?"
-HALVES_SEED = 63  # the fixed shuffle that splits the pairs into a training and a held-out half
+HALVES_SEED = 63  # salts the hash that puts each (start, step) pair in the training or the held-out half
 
 
-def held_out_half(pairs: list[tuple[int, int]]) -> set[tuple[int, int]]:
-    """The held-out half of `pairs`: the first half of them in an order shuffled by HALVES_SEED."""
-    order = sorted(pairs)
-    Random(HALVES_SEED).shuffle(order)
-    return set(order[:len(order) // 2])
+def is_held_out(pair: tuple[int, int]) -> bool:
+    """Whether a (start, step) pair is in the held-out half: a hash of the pair alone, so a pair's half does
+    not depend on which other pairs a config's ranges produce (a shuffle of the list did: with max_start=120,
+    32 of 100 "held-out" questions had been trained on with the defaults)."""
+    return derive_seed(HALVES_SEED, *pair) % 2 == 1
 
 
 @dataclass
@@ -67,8 +69,8 @@ class RepeatedAdditionDataset(ProceduralDataset):
         super().__init__(config=config, seed=config.seed, size=config.size)
         c = config
         pairs = [(start, step) for start in range(c.min_start, c.max_start + 1) for step in range(c.min_step, c.max_step + 1)]
-        held_out = held_out_half(pairs)
-        self.pairs = [pair for pair in pairs if (pair in held_out) == c.held_out and self.keeps(pair)]
+        self.pairs = [pair for pair in pairs if is_held_out(pair) == c.held_out and self.keeps(pair)]
+        assert self.pairs, "no (start, step) pair of these ranges falls in this half: widen the start or step range"
         Random(self.seed).shuffle(self.pairs)
 
     def keeps(self, pair: tuple[int, int]) -> bool:

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from alignment import data
+from alignment.tasks import is_held_out
 
 
 def test_gsm8k_rows_have_question_gold_and_solution(data_dir):
@@ -112,12 +113,14 @@ def test_reasoning_gym_tasks_with_options_are_seeded_and_split():
 
 def test_repeated_addition_holds_out_half_its_pairs_and_repeats_none_before_all_have_come():
     """alignment/tasks.py, issue 63: the question's size does not grow with the count; the gold is start + step x
-    times; held_out=true rows and the others never share a question (start + step odd against even), whatever the
-    seeds; the first 360 rows of a half (its pairs, with the defaults) are all different."""
+    times; held_out=true rows and the others never share a question (a pair's half is a hash of the pair), whatever
+    the seeds; the first rows of a half, as many as its pairs, are all different."""
     spec = "rg:repeated_addition:min_times=7,max_times=7"
     trained = data.load_dataset(spec, "train", size=2000, seed=0) + data.load_dataset(spec, "test", size=2000, seed=5)
-    held_out = data.load_dataset(spec + ",held_out=true", "test", size=360, seed=1)
-    assert len({r["question"] for r in held_out}) == 360
+    half = sum(is_held_out((start, step)) for start in range(10, 100) for step in range(2, 10))
+    assert 300 < half < 420  # about half of the 720 pairs
+    held_out = data.load_dataset(spec + ",held_out=true", "test", size=half, seed=1)
+    assert len({r["question"] for r in held_out}) == half
     assert not {r["question"] for r in held_out} & {r["question"] for r in trained}
     for row in held_out[:50] + trained[:50]:
         start, step, times = map(int, re.findall(r"\d+", row["question"]))
@@ -147,6 +150,32 @@ def test_add_until_stops_at_a_bound_between_two_totals_and_holds_out_half_its_pa
     assert len(pairs["true"]) > 1000 and not pairs["true"] & pairs["false"]
     long = data.load_dataset("rg:add_until:min_times=29,max_times=29", size=50)
     assert {len(r["question"]) for r in long} == {len(rows[0]["question"])}  # the same size at every length
+
+
+@pytest.mark.parametrize("task", ["repeated_addition", "add_until"])
+def test_a_pairs_half_does_not_depend_on_the_ranges(task):
+    """Issue 77.3: the held-out half was the first half of the list of pairs shuffled, so widening a range
+    reshuffled both halves (max_start=120: 32 of 100 "held-out" questions had been trained on)."""
+    def pairs(spec, split):
+        return {tuple(map(int, re.findall(r"\d+", r["question"])[:2])) for r in data.load_dataset(spec, split, size=2000)}
+
+    wider = "max_start=120" if task == "repeated_addition" else "max_start=720,max_total=820"
+    for trained, held_out in ((f"rg:{task}", f"rg:{task}:{wider},held_out=true"),
+                              (f"rg:{task}:{wider}", f"rg:{task}:held_out=true")):
+        assert len(pairs(trained, "train")) > 300 and len(pairs(held_out, "test")) > 300
+        assert not pairs(trained, "train") & pairs(held_out, "test")
+
+
+def test_seeds_draw_different_training_questions_and_one_test_split():
+    """Issue 77.4: reasoning-gym seeds row i with `seed + i`, so run seed 1's rows were seed 0's shifted by one
+    (the three-seed demos shared 959 of 960 SFT questions). Each seed's training split now has its own data seed;
+    the test split is the same for every seed (what evaluate and every run's held-out set score)."""
+    spec = "rg:chain_sum:min_terms=3,max_terms=3,max_digits=3"
+    seeds = [{r["question"] for r in data.load_dataset(spec, "train", size=200, seed=seed)} for seed in (0, 1, 2)]
+    assert all(len(a & b) < 10 for a in seeds for b in seeds if a is not b)
+    tests = [data.load_dataset(spec, "test", size=100, seed=seed) for seed in (0, 1, 7)]
+    assert tests[0] == tests[1] == tests[2] == data.load_dataset(spec, "test", size=100)
+    assert data.load_dataset(spec, "test", size=100) == data.load_dataset(spec, "test", size=2000)[:100]
 
 
 @pytest.mark.parametrize("name,message", [("rg:chain_sum:max_terms", "key=value"),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from alignment import experience, models, train_rl
+from alignment.evaluate import CPU_DEFAULT_LIMIT
 from alignment.args import DEFAULT_RL_TASK, EvalArgs, RLArgs, SFTArgs, parse
 from alignment.errors import UserError, cli
 from tests.conftest import parity_reward
@@ -378,6 +379,16 @@ def test_evaluation_questions_are_left_out_of_training(tiny_model_dir, tmp_path,
     monkeypatch.setattr(train_rl.data, "load_dataset", lambda name, split, *a, **k: [{"question": "1 + 1", "answer": "2"}])
     with pytest.raises(UserError, match="every training question of .* is also an evaluation question"):
         train_rl.load_questions(args)
+
+
+def test_no_seed_trains_on_what_a_later_evaluate_scores():
+    """Issue 77: train_rl held out its own seed's test rows (`seed + i`) while evaluate scores seed 0's, so
+    `--seed 1` and `--seed 2` trained on 1 and 2 of evaluate's default questions. The test split is now one set."""
+    scored = {row["question"] for row in train_rl.data.load_dataset(DEFAULT_RL_TASK, "test")[:CPU_DEFAULT_LIMIT]}
+    for seed in range(3):
+        train, held_out, _ = train_rl.load_questions(RLArgs(seed=seed), log=lambda line: None)
+        assert {row["question"] for row in held_out} <= scored
+        assert not scored & {row["question"] for row in train}
 
 
 def test_weights_are_pushed_once_per_policy_version():
