@@ -119,8 +119,9 @@ def _saved_flags(run_folder: str, cls) -> dict:
     except (OSError, ValueError, AttributeError):
         owner = None
     try:
-        return json.loads((Path(run_folder) / "checkpoint" / "run_config.json").read_text()) if owner in (
-            None, _script(cls)) else {}
+        from alignment.models import saved_checkpoint  # (torch and transformers: only on --resume)
+        checkpoint = saved_checkpoint(Path(run_folder) / "checkpoint")  # also a save a crash cut short
+        return json.loads((checkpoint / "run_config.json").read_text()) if owner in (None, _script(cls)) else {}
     except (OSError, ValueError):
         return {}
 

@@ -23,7 +23,7 @@ from alignment.args import EvalArgs, parse, to_dict
 from alignment.errors import UserError, cli
 from alignment.drgrpo_grader import extract_boxed, extract_last_number, normalize, question_only_reward_fn, r1_zero_reward_fn
 from alignment.rollout import traces
-from alignment.run import lock_folder
+from alignment.run import LOCK_FILE, lock_folder, run_config
 from alignment.sampling import SamplingParams, make_sampler, pick_backend
 
 # rollout mode -> its generate function; picked once, by name
@@ -86,9 +86,14 @@ def _refuse_used(out: Path):
     if (out / "summary.json").exists() or (out / "results.jsonl").exists():
         raise UserError(f"{out} already holds evaluation results: choose another --output_dir (or leave it out for a "
                         f"new dated folder), or delete that one.")
-    if (out / "config.json").exists() or (out / "checkpoint").exists():
+    if run_config(out) or (out / "checkpoint").exists():
         raise UserError(f"{out} is a training run's folder: evaluate writes its own; choose another --output_dir "
                         f"(--model {out} evaluates that run's weights).")
+    others = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) if out.is_dir() else []
+    if others:
+        raise UserError(f"{out} holds files evaluate did not write ({', '.join(others[:5])}"
+                        f"{', ...' if len(others) > 5 else ''}): choose another --output_dir (or leave it out for a new "
+                        f"dated folder).")
 
 
 def extract_answer(response: str, prompt_name: str) -> str | None:
@@ -182,8 +187,20 @@ def main(args: EvalArgs) -> dict:
           f"{args.delethink_budget() if args.rollout_mode == 'delethink' else f'max {args.max_tokens} tokens'}, "
           f"{backend} on {device}, "
           f"precision {models.resolve_precision(args.precision, device)} ({args.precision})")
+    made = not out.exists()
     lock_folder(out)  # held until the process ends: a second evaluate into this folder is refused meanwhile
-    _refuse_used(out)  # and after it, by the results it left
+    try:
+        _refuse_used(out)  # and after it, by the results it left
+        return _evaluate_into(out, args, device, subset, backend)
+    except BaseException:
+        if made and out.is_dir() and [p.name for p in out.iterdir()] == [LOCK_FILE]:  # a failed evaluate leaves no empty folder
+            (out / LOCK_FILE).unlink()
+            out.rmdir()
+        raise
+
+
+def _evaluate_into(out: Path, args: EvalArgs, device: str, subset: list[dict], backend: str) -> dict:
+    """main's work once `out` is locked: load the model, sample, grade, write results.jsonl and summary.json."""
     torch.manual_seed(args.seed)
     tokenizer = models.load_tokenizer(args.model)
     if args.rollout_mode != "tir":  # (tir's context is bounded per call); delethink's by a chunk: prompt + C

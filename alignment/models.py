@@ -292,13 +292,23 @@ def _write_checkpoint(model, tokenizer, out_dir: Path, tmp: Path, main: bool, fu
         shutil.rmtree(old, ignore_errors=True)
 
 
-def finish_interrupted_save(out_dir: str | Path) -> Path:
-    """Complete a save_checkpoint that a crash cut off between its two renames (`out_dir` moved aside to
-    .old, the finished .tmp not yet in place): put the finished copy where resume looks for it."""
+def saved_checkpoint(out_dir: str | Path) -> Path:
+    """Where the last finished save of `out_dir` is, also when a crash cut save_checkpoint off between its two
+    renames (`out_dir` moved aside to .old, the finished .tmp not yet in place): then the .tmp (complete before
+    .old was made), else the .old. Reads only; finish_interrupted_save moves it into place."""
     out_dir = Path(out_dir)
     tmp, old = (out_dir.with_name(out_dir.name + suffix) for suffix in (".tmp", ".old"))
-    if not out_dir.exists() and old.exists():
-        os.replace(tmp if tmp.exists() else old, out_dir)  # .tmp was complete before .old was made
+    if out_dir.exists() or not old.exists():
+        return out_dir
+    return tmp if tmp.exists() else old
+
+
+def finish_interrupted_save(out_dir: str | Path) -> Path:
+    """Complete a save_checkpoint that a crash cut off between its two renames: put the finished copy where
+    resume looks for it."""
+    out_dir = Path(out_dir)
+    if (source := saved_checkpoint(out_dir)) != out_dir:
+        os.replace(source, out_dir)
     return out_dir
 
 

@@ -70,12 +70,12 @@ class Run:
                                                                           *Path(model).resolve().parents):
                 raise UserError(f"the run folder {self.dir} holds --{flag} {model}: the run would write (or with "
                                 f"--overwrite delete) the model it starts from; choose another --output_dir.")
-        if not args.resume and _holds_a_run(self.dir) and not _config(self.dir):
+        if not args.resume and _holds_a_run(self.dir) and not run_config(self.dir):
             raise UserError(f"{self.dir} holds files that are not a run of this project's scripts"
                             f"{' (--overwrite deletes only run folders)' if args.overwrite else ''}: choose another "
                             f"--output_dir.")
         foreign = sorted(p.name for p in self.dir.iterdir() if p.name not in RUN_FILES) if args.overwrite and \
-            _config(self.dir) else []
+            run_config(self.dir) else []
         if foreign:
             raise UserError(f"{self.dir} holds files no run writes ({', '.join(foreign[:5])}"
                             f"{', ...' if len(foreign) > 5 else ''}): --overwrite deletes only what a run wrote; move "
@@ -100,7 +100,8 @@ class Run:
                 _truncate_jsonl(self.dir / name, self.start_step, self.say if name == "metrics.jsonl" else None)
             config = {**to_dict(args), "output_dir": str(self.dir), "start_model": self.start_model,
                       "script": self.script}
-            (self.dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+            (self.dir / "config.json.tmp").write_text(json.dumps(config, indent=2, default=str))
+            os.replace(self.dir / "config.json.tmp", self.dir / "config.json")  # never half a config: a user's file
             self.logger = _make_logger(args.logger, self.dir, config)
 
     def refuse_finished(self, total: int, flag: str):
@@ -216,7 +217,7 @@ class Run:
 
     def _used_folder(self) -> str:
         """Why a new run may not start in a used folder, and only the ways on that work from there."""
-        owner = _config(self.dir).get("script") or self.script
+        owner = run_config(self.dir).get("script") or self.script
         other = "" if owner == self.script else f" of alignment.{owner}"
         if not any((self.dir / name / STATE_FILE).exists() for name in ("checkpoint", "checkpoint.old")):
             return (f"{self.dir} already holds a run{other} that stopped before its first checkpoint (nothing in it "
@@ -226,7 +227,7 @@ class Run:
                 f"or choose another --output_dir.")
 
     def _resume_state(self, resumable: set) -> dict:
-        owner = _config(self.dir).get("script")
+        owner = run_config(self.dir).get("script")
         if owner and owner != self.script:
             raise UserError(f"{self.dir} is a run of alignment.{owner}, not of alignment.{self.script}: continue it "
                             f"with `uv run -m alignment.{owner} --resume {self.dir}`, or start a new run (--model "
@@ -240,8 +241,9 @@ class Run:
             raise MissingFileError(f"{self.checkpoint} has no {STATE_FILE}{why}")
         saved = json.loads((self.checkpoint / "run_config.json").read_text())
         defaults = {f.name: f.default for f in dataclasses.fields(self.args)}  # a flag added since the run was saved
-        changed = {k: f"--{k} {v} (the run's: {saved.get(k, defaults[k])})" for k, v in to_dict(self.args).items()
-                   if k not in resumable and saved.get(k, defaults[k]) != v}
+        changed = {k: f"--{k} {v} (the run's: " + (f"{saved[k]})" if k in saved else f"{defaults[k]}, the default: "
+                                                    f"the run was saved before the flag existed)")
+                   for k, v in to_dict(self.args).items() if k not in resumable and saved.get(k, defaults[k]) != v}
         given = getattr(self.args, "given_flags", set(changed))  # what the user typed; the rest followed from it
         typed, implied = sorted(changed[k] for k in changed if k in given), sorted(changed[k] for k in changed
                                                                                     if k not in given)
@@ -270,16 +272,18 @@ def writable_folder(path) -> Path:
 
 
 def _holds_a_run(folder: Path) -> bool:
-    """Anything but the config.json of a run that failed before its first step (nothing to lose there)."""
+    """Anything but the config.json of a run that failed before its first step (nothing to lose there; a
+    config.json no run of this project wrote is a user's file, to be kept)."""
     # not the lock, nor writable_folder's probe: under torchrun rank 0 makes both while the others look
-    return folder.is_dir() and any(p.name not in ("config.json", LOCK_FILE, WRITE_PROBE) for p in folder.iterdir())
+    nothing = {LOCK_FILE, WRITE_PROBE} | ({"config.json"} if run_config(folder) else set())
+    return folder.is_dir() and any(p.name not in nothing for p in folder.iterdir())
 
 
 LOCK_FILE = ".lock"
 WRITE_PROBE = ".write-test"
 PLOT_FILE = "curves.png"  # alignment.plot's picture of one run, written into its folder by default
 # what a run (or plot) writes into its folder: --overwrite deletes these and refuses a folder holding anything else
-RUN_FILES = {"config.json", "metrics.jsonl", "rollouts.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old",
+RUN_FILES = {"config.json", "config.json.tmp", "metrics.jsonl", "rollouts.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old",
              "tensorboard", "wandb", LOCK_FILE, WRITE_PROBE, PLOT_FILE}
 
 
@@ -314,7 +318,7 @@ def lock_folder(folder: Path):
 _HELD: dict = {}  # run folders this process has locked: folder -> its open .lock
 
 
-def _config(folder: Path) -> dict:
+def run_config(folder: Path) -> dict:
     """The config.json a run wrote (its flags, output_dir and start_model), else {}: a model's config.json is not one."""
     try:
         config = json.loads((folder / "config.json").read_text())

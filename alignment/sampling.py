@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -115,17 +115,21 @@ class HFSampler:
         keys = list(range(len(prompt_token_ids))) if keys is None else list(keys)
         base = _base_seed(params)
         order = sorted(range(len(prompt_token_ids)), key=lambda i: len(prompt_token_ids[i]))
-        per_chunk = max(1, self.batch_size // params.n)  # prompts per forward batch
-        results: dict[int, list[Completion]] = {}
+        per_chunk = max(1, self.batch_size // params.n)  # whole groups per forward batch
+        children = min(params.n, max(self.batch_size, 1))  # a group larger than a batch is split over batches
+        results: dict[int, list[Completion]] = {i: [] for i in order}
         # counts answers as they finish, so a long batch shows its progress too
         bar = tqdm(total=len(order) * params.n, desc="generating", unit="answer", disable=not self.progress,
                    leave=False)
         for start in range(0, len(order), per_chunk):
             chunk = order[start:start + per_chunk]
-            seeds = [derive_seed(base, keys[i], child) for i in chunk for child in range(params.n)]
-            outs = self._generate_batch([prompt_token_ids[i] for i in chunk], params, seeds, bar)
-            for k, i in enumerate(chunk):
-                results[i] = outs[k * params.n:(k + 1) * params.n]
+            for first in range(0, params.n, children):  # one pass unless the group is larger than a batch
+                part = range(first, min(first + children, params.n))
+                seeds = [derive_seed(base, keys[i], child) for i in chunk for child in part]
+                outs = self._generate_batch([prompt_token_ids[i] for i in chunk], replace(params, n=len(part)),
+                                            seeds, bar)
+                for k, i in enumerate(chunk):
+                    results[i] += outs[k * len(part):(k + 1) * len(part)]
         bar.close()
         return [results[i] for i in range(len(prompt_token_ids))]
 

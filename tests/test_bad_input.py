@@ -364,9 +364,21 @@ def test_a_seed_torch_cannot_take_is_refused_when_parsed(capsys):
 def test_evaluate_refuses_a_training_runs_folder_and_one_another_evaluate_holds(tiny_model_dir, tmp_path, data_dir):
     run_dir = tmp_path / "rl"
     run_dir.mkdir()
-    (run_dir / "config.json").write_text(json.dumps({"script": "train_rl"}))
+    (run_dir / "config.json").write_text(json.dumps({"script": "train_rl", "output_dir": str(run_dir), "start_model": "m"}))
     with pytest.raises(UserError, match="is a training run's folder"):
         evaluate.main(EvalArgs(model=tiny_model_dir, limit=1, max_tokens=2, output_dir=str(run_dir), data_dir=data_dir))
+    mine = tmp_path / "mine"  # a user's own files are not called a training run, and are never written over
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": 1}')
+    (mine / "thesis.tex").write_text("")
+    with pytest.raises(UserError, match=r"holds files evaluate did not write \(config.json, thesis.tex\)"):
+        evaluate.main(EvalArgs(model=tiny_model_dir, limit=1, max_tokens=2, output_dir=str(mine), data_dir=data_dir))
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json", "thesis.tex"]
+    failed = tmp_path / "failed"  # refused after its folder was locked: no empty folder is left behind
+    with pytest.raises(UserError, match="cannot hold the longest prompt"):
+        evaluate.main(EvalArgs(model=tiny_model_dir, limit=1, max_tokens=100_000, output_dir=str(failed),
+                               data_dir=data_dir))
+    assert not failed.exists()
     out = tmp_path / "eval"
     holder = hold_lock(out)
     try:

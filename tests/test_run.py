@@ -195,6 +195,45 @@ def test_overwrite_deletes_only_what_a_run_wrote(tmp_path):
     assert not (run.dir / PLOT_FILE).exists()
 
 
+def test_a_users_lone_config_json_is_kept(tmp_path):
+    """Issue 77's probe: a folder holding only the user's config.json was taken for a run that failed before its
+    first step, and the file was replaced without --overwrite. A run's own lone config.json still is one."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text('{"mine": 1}')
+    for overwrite in (False, True):
+        with pytest.raises(UserError, match="holds files that are not a run"):
+            open_run(tmp_path / "mine", overwrite=overwrite)
+    assert json.loads((tmp_path / "mine" / "config.json").read_text()) == {"mine": 1}
+    open_run(tmp_path / "run")  # a run that failed before its first step: nothing to lose, started again
+    assert open_run(tmp_path / "run").dir == tmp_path / "run"
+
+
+def test_a_resume_after_a_save_cut_short_takes_the_saved_flags(tmp_path):
+    """A crash between a save's two renames leaves checkpoint.old and checkpoint.tmp: the first --resume read no
+    flags (no checkpoint/) and refused nine the user never typed; it must read the finished save's."""
+    from alignment.args import RLArgs, parse
+    saved = {**RLArgs().__dict__, "group_size": 2, "rollout_batch_size": 4, "train_batch_size": 4,
+             "train_mini_batch_size": 2, "n_steps": 5}
+    for name, group_size in (("checkpoint.old", 8), ("checkpoint.tmp", 2)):  # .tmp: the newer, finished save
+        (tmp_path / "run" / name).mkdir(parents=True)
+        (tmp_path / "run" / name / "run_config.json").write_text(json.dumps({**saved, "group_size": group_size}))
+    args = parse(RLArgs, ["--resume", str(tmp_path / "run")])
+    assert (args.group_size, args.train_mini_batch_size, args.n_steps) == (2, 2, 5)
+    assert not (tmp_path / "run" / "checkpoint").exists()  # parsing moves nothing; Run finishes the save
+    assert models.finish_interrupted_save(tmp_path / "run" / "checkpoint").exists()
+    assert json.loads((tmp_path / "run" / "checkpoint" / "run_config.json").read_text())["group_size"] == 2
+
+
+def test_a_flag_the_saved_run_predates_is_named_as_such(tmp_path, tiny_model, tokenizer):
+    run = open_run(tmp_path / "run")
+    run.save(1, tiny_model, tokenizer, None)
+    config = tmp_path / "run" / "checkpoint" / "run_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "lr"}))
+    with pytest.raises(UserError, match=r"--lr 0.2 \(the run's: 0.1, the default: the run was saved before the flag "
+                                        r"existed\)"):
+        Run(Flags(resume=str(tmp_path / "run"), lr=0.2), "unused", None, resumable={"n_steps"})
+
+
 def test_a_used_folder_of_another_script_names_that_scripts_resume(tmp_path):
     run = open_run(tmp_path / "run")
     run.log({"step": 1})
@@ -240,8 +279,9 @@ def test_what_rank_0_makes_while_the_other_ranks_look_is_not_a_run(tmp_path):
     ranks check whether the folder already holds a run: none of those may read as a run (a race that failed
     rank 1 of a 2-process run now and then)."""
     from alignment.run import LOCK_FILE, WRITE_PROBE, _holds_a_run
-    for name in (LOCK_FILE, WRITE_PROBE, "config.json"):
+    for name in (LOCK_FILE, WRITE_PROBE):
         (tmp_path / name).write_text("")
+    (tmp_path / "config.json").write_text(json.dumps({"output_dir": str(tmp_path), "start_model": "m", "script": "sft"}))
     assert not _holds_a_run(tmp_path)
     (tmp_path / "metrics.jsonl").write_text("")
     assert _holds_a_run(tmp_path)

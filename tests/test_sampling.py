@@ -147,6 +147,24 @@ def test_each_request_has_its_own_stream(tiny_model, tokenizer):
     assert [c.token_ids for c in shifted[0]] != [c.token_ids for c in eight]
 
 
+@pytest.mark.parametrize("kind", ["hf", "static"])
+def test_a_group_larger_than_the_batch_is_split_over_batches(tiny_model, tokenizer, kind):
+    """Issue 77: `evaluate --n_samples 512 --batch_size 16` put the whole group in one batch (peak memory grew
+    with n instead of the batch size). Each batch now holds at most --batch_size answers, and every answer is the
+    one a batch holding the whole group draws (its own stream)."""
+    from alignment.static_sampler import StaticSampler
+    tiny_model.lm_head.weight = torch.nn.Parameter(torch.randn_like(tiny_model.lm_head.weight) * 0.01)  # near uniform
+    make = HFSampler if kind == "hf" else StaticSampler
+    params = SamplingParams(n=10, temperature=1.0, max_tokens=4, seed=5)
+    whole = make(tiny_model, tokenizer, batch_size=64).generate([[1, 2, 3], [4, 5]], params)
+    small, rows = make(tiny_model, tokenizer, batch_size=4), []
+    batch = small._generate_batch
+    small._generate_batch = lambda prompts, p, seeds, bar: rows.append(len(seeds)) or batch(prompts, p, seeds, bar)
+    split = small.generate([[1, 2, 3], [4, 5]], params)
+    assert rows == [4, 4, 2, 4, 4, 2]
+    assert [[c.token_ids for c in group] for group in split] == [[c.token_ids for c in group] for group in whole]
+
+
 def test_no_seed_does_not_reseed_the_global_generator(tiny_model, tokenizer):
     sampler = HFSampler(tiny_model, tokenizer)
     torch.manual_seed(123)
