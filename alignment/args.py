@@ -497,7 +497,7 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
     reference_model_device: str | None = arg(None, "device of the frozen reference model (default: with 4+ GPUs the second from last, with 3 the third, with 2 the second, else the policy's)")
     eval_device: str | None = arg(None, "device of periodic evaluation (default: with 4+ GPUs the last, with 2-3 the reference's, else the policy's)")
     bf16_weights: bool = arg(False, "GPU with bf16 precision: keep the policy's parameters and AdamW state in bf16 (half the memory; small updates round away). Default: fp32 master weights, bf16 autocast")
-    compile_layers: bool = arg(False, "train the policy with each decoder layer compiled (torch.compile, fullgraph: one graph shared by every layer, the element-wise work fused; on a GPU the launches fall with it), for forwards without a key/value cache (packed groups, torchrun's); the first step pays the compile (tens of seconds); numbers differ from eager by rounding only. Samplers and the reference are not compiled")
+    compile_layers: bool = arg(False, "train the policy with each decoder layer compiled (torch.compile, fullgraph: one graph shared by every layer, the element-wise work fused; on a GPU the launches fall with it), for forwards without a key/value cache (packed groups, torchrun's); the first step pays the compile (tens of seconds); numbers differ from eager by rounding only (no dropout: the model's is off, and --lora_dropout is refused with it, since inductor draws its own masks). Samplers and a reference of its own are not compiled")
     sample_batch_size: int = arg(64, "HF sampler: sequences per generation batch")
     output_dir: str | None = arg(None, "run folder (default checkpoints/rl/<loss_type>-<time>): config.json, metrics.jsonl, rollouts.jsonl, checkpoint/")
 
@@ -523,6 +523,10 @@ class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
         self.check_rollout()
         self.check_run()
         self.check_lora()
+        if self.compile_layers and self.lora_dropout:  # measured: log-probs 0.38 from eager's at --lora_dropout 0.3
+            raise ValueError(f"--compile_layers with --lora_dropout {self.lora_dropout}: the compiled layers (inductor) draw "
+                             f"dropout masks from inductor's own generator, not eager's, so the steps would not be "
+                             f"eager's; drop one of them.")
         if self.loss_type == "no_baseline" and self.advantage_estimator == "grpo":
             self.advantage_estimator = "none"  # implied: REINFORCE without a baseline trains on the raw reward
         per_token = self.advantage_estimator in TOKEN_LEVEL_ESTIMATORS
@@ -646,8 +650,9 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     seed: int = arg(0, "seed for data order and torch")
 
     def moot(self) -> dict[str, str]:
-        no_eval = {name: "with --eval_limit 0 (no evaluation)" for name in ("eval_every", "eval_dataset", "eval_max_tokens")
-                   if not self.eval_limit}
+        no_eval = {name: "with --eval_limit 0 (no evaluation)" for name in (
+            "eval_every", "eval_dataset", "eval_max_tokens", "eval_batch_size", "backend", "hf_decoding",
+            "gpu_memory_utilization", "kv_cache_gib", "vllm_enforce_eager", "vllm_max_model_len") if not self.eval_limit}
         own_file = {name: "with --train_file (its examples are the training data)" for name in ("dataset", "rg_size", "worked_style")
                     if self.train_file}
         rows = {} if self.delethink_chunk_size else {"delethink_carryover": "without --delethink_chunk_size"}
@@ -683,6 +688,9 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
             raise ValueError("--max_examples must be 0 (all) or positive, and --epochs at least 1.")
         if 0 < self.max_examples < self.batch_size:
             raise ValueError(f"--max_examples {self.max_examples} is smaller than one batch; raise it or lower --batch_size.")
+        if self.delethink_chunk_size and self.worked_style == "tool" and not self.train_file:
+            raise ValueError("--delethink_chunk_size with --worked_style tool makes rows no rollout mode uses "
+                             "(Delethink chunks plain text; tool calls run under --rollout_mode tir): drop one.")
         if self.delethink_chunk_size and not 0 < delethink_carryover(self) < self.delethink_chunk_size:
             raise ValueError(f"--delethink_carryover {delethink_carryover(self)} must be above 0 and below "
                              f"--delethink_chunk_size {self.delethink_chunk_size}.")

@@ -48,8 +48,13 @@ def read_jsonl(path: Path, required: tuple[str, ...], text: tuple[str, ...] | No
     if not path.exists():
         raise MissingFileError(f"{path} does not exist; check the path.")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{path}:{line_no} is not UTF-8 text ({e.reason} at byte {e.start}); save the file as "
+                                f"UTF-8 (e.g. `iconv -f latin1 -t utf-8`).") from None
             if not line.strip():
                 continue
             try:
@@ -155,7 +160,11 @@ def load_reasoning_gym(spec: str, size: int, seed: int) -> list[dict]:
     except (TypeError, AssertionError) as e:
         raise UserError(f"rg:{spec}: reasoning-gym rejected the options ({e or 'invalid value'}); "
                          f"see the task's config class for its fields.") from None
-    return [{"question": item["question"], "answer": str(item["answer"])} for item in generated]
+    try:  # the rows are made here, one by one: options it accepted can still leave it nothing to draw from
+        return [{"question": item["question"], "answer": str(item["answer"])} for item in generated]
+    except (IndexError, ValueError, ZeroDivisionError, RecursionError) as e:
+        raise UserError(f"rg:{spec}: reasoning-gym cannot generate a problem with these options ({type(e).__name__}: "
+                        f"{e}); change them (for basic_arithmetic, operators needs one of + - *).") from None
 
 
 def rg_options(spec: str) -> tuple[str, dict]:
@@ -170,7 +179,14 @@ def rg_options(spec: str) -> tuple[str, dict]:
         if key.strip() in config:
             raise UserError(f"rg:{spec}: {key.strip()} is given twice; give each option once.")
         config[key.strip()] = _option_value(value.strip())
+        bound = next((most for part, most in RG_BOUNDS.items() if part in key), None)
+        if bound is not None and isinstance(config[key.strip()], int) and config[key.strip()] > bound:
+            raise UserError(f"rg:{spec}: {key.strip()}={config[key.strip()]} is above {bound:,} (every problem is made "
+                            f"in memory at the start, and Python prints integers of at most 4,300 digits); lower it.")
     return task, config
+
+
+RG_BOUNDS = {"digits": 1_000, "terms": 100_000, "times": 100_000}  # the most an rg: option of this kind may ask for
 
 
 def _option_value(text: str):

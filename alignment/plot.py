@@ -69,8 +69,12 @@ def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
     fig.tight_layout()
     out = Path(out or (run_dirs[0] if len(runs) == 1 else run_dirs[0].parent) / PLOT_FILE)
     drawn = sum(len(ax.lines) for ax in axes)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as e:  # a read-only folder, /proc, a name too long: the picture, not the runs, is the problem
+        raise UserError(f"cannot write {out} ({e.strerror or e}): choose another --out.") from None
+    finally:
+        plt.close(fig)
     print(f"[plot] {drawn} curves in {sum(bool(ax.lines) for ax in axes)} of {len(PANELS)} panels, {len(runs)} run(s)")
     return out
 

@@ -430,6 +430,11 @@ def test_answers_longer_than_the_models_context_are_refused_before_weights_load(
     (RLArgs, ["--dataset", "gsm8k", "--rg_size", "100"], "--rg_size 100 has no effect with --dataset gsm8k (not an rg: task)"),
     (EIArgs, ["--dataset", "gsm8k", "--rg_size", "100"], "--rg_size 100 has no effect with --dataset gsm8k (not an rg: task)"),
     (EvalArgs, ["--backend", "vllm", "--hf_decoding", "loop"], "--hf_decoding loop has no effect with --backend vllm"),
+    (SFTArgs, ["--hf_decoding", "static", "--eval_limit", "0"], "--hf_decoding static has no effect with --eval_limit 0"),
+    (SFTArgs, ["--eval_batch_size", "8", "--eval_limit", "0"], "--eval_batch_size 8 has no effect with --eval_limit 0"),
+    (SFTArgs, ["--dataset", "rg:chain_sum", "--worked_style", "tool", "--delethink_chunk_size", "16"],
+     "--delethink_chunk_size with --worked_style tool makes rows no rollout mode uses"),
+    (SFTArgs, ["--dataset", "rg:products:max_digits=99999"], "max_digits=99999 is above 1,000"),
 ])
 def test_a_flag_that_another_flag_makes_moot_is_refused_not_dropped(cls, argv, moot, capsys):
     with pytest.raises(SystemExit):

@@ -185,7 +185,10 @@ def test_seeds_draw_different_training_questions_and_one_test_split():
                                           ("rg:no_such_task", "has no task"),
                                           ("rg:chain_sum:max_terms=3,max_terms=5", "max_terms is given twice"),
                                           ("rg:basic_arithmetic:allow_parentheses=false", "gets \\* and / wrong"),
-                                          ("rg:basic_arithmetic:operators=+*,allow_parentheses=false", "no precedence")])
+                                          ("rg:basic_arithmetic:operators=+*,allow_parentheses=false", "no precedence"),
+                                          ("rg:products:max_digits=99999", "max_digits=99999 is above 1,000"),
+                                          ("rg:chain_sum:max_terms=1000000", "max_terms=1000000 is above 100,000"),
+                                          ("rg:basic_arithmetic:operators=/", "cannot generate a problem")])
 def test_bad_reasoning_gym_specs_say_what_to_do(name, message):
     with pytest.raises(ValueError, match=message):
         data.load_dataset(name, size=2)
@@ -199,6 +202,13 @@ def test_basic_arithmetic_without_parentheses_is_refused_only_where_its_answers_
     import reasoning_gym
     wrong = reasoning_gym.create_dataset("basic_arithmetic", size=50, seed=0, operators="+-*", allow_parentheses=False)
     assert any(eval(item["question"][len("Calculate "):].rstrip(".")) != int(item["answer"]) for item in wrong)
+
+
+def test_a_file_that_is_not_utf8_names_its_line(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    path.write_bytes(b'{"prompt": "p", "response": "r"}\n{"prompt": "caf\xe9", "response": "r"}\n')
+    with pytest.raises(data.UserError, match=r"traces.jsonl:2 is not UTF-8 text .*save the file as UTF-8"):
+        data.read_jsonl(path, ("prompt", "response"))
 
 
 def test_a_users_own_file_is_to_be_fixed_not_downloaded(tmp_path):

@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 from alignment.plot import run_labels
@@ -34,6 +35,13 @@ def test_plot_draws_only_what_is_there_and_refuses_the_rest(tmp_path, capsys):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert plot(run).exists()
     assert "[plot] 4 curves in 3 of 4 panels, 1 run(s)" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"cannot write .*: choose another --out"):  # not a traceback
+        plot(run, tmp_path / ("x" * 300 + ".png"))
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if not os.access(locked, os.W_OK):  # (root writes anywhere)
+        with pytest.raises(UserError, match=r"cannot write .*: choose another --out"):
+            plot(run, locked / "curves.png")
 
 
 def _write(path, records):
