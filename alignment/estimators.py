@@ -246,3 +246,14 @@ def compute_rollout_is_weights(old_log_probs: torch.Tensor, sampler_log_probs: t
     tokens = mask.sum().clamp(min=1)
     return weights, {"rollout_is_weight_mean": weights.sum() / tokens,  # 0-d tensors: read once per step
                      "rollout_is_clipped_fraction": (cut & mask).sum() / tokens}
+
+
+def sampler_mismatch(sampler_log_probs: torch.Tensor, log_probs: torch.Tensor, mask: torch.Tensor,
+                     min_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of |sampler - learner| log-prob, tokens counted) over sampled tokens the sampler reported (NaN: none),
+    a numerics gap between two views of one distribution. Left out: each row's first `min_tokens` sampled tokens,
+    where --sampling_min_tokens banned EOS, so the sampler drew from a renormalised distribution (a real
+    difference of distributions, which rollout correction weighs, not a mismatch of numerics)."""
+    seen = mask.bool() & ~sampler_log_probs.isnan() & (mask.cumsum(-1) > min_tokens)  # (B, T)
+    difference = torch.where(seen, (sampler_log_probs - log_probs).abs(), 0.0)  # where: a NaN stays out
+    return difference.sum(), seen.sum()

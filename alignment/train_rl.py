@@ -33,7 +33,7 @@ from alignment import allocator, data, distributed, lora, models, tir
 from alignment.args import RLArgs, parse
 from alignment.async_rollouts import RolloutSource
 from alignment.errors import UserError, cli
-from alignment.estimators import compute_rollout_is_weights, compute_value_loss
+from alignment.estimators import compute_rollout_is_weights, compute_value_loss, sampler_mismatch
 from alignment.evaluate import PROMPT_SETTINGS, check_context, context_need, evaluate
 from alignment.experience import Experience, SamplingStopped, build_experience, collect_rollouts
 from alignment.grpo import policy_microbatch_train_step, weighted_sum
@@ -447,10 +447,8 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
         train.add("entropy", (out["token_entropy"].detach() * mb.mask).sum() * per_token, tokens)
         if epoch == 0 and args.sampling_top_p == 1:  # the old policy is the learner's view of the sampler;
             # with top_p < 1 the sampler's log-probs are of the renormalised nucleus: not comparable
-            seen = mb.mask.bool() & ~mb.sampler_log_probs.isnan()  # (no token seen: weight 0, not logged)
-            seen_tokens = seen.sum()
-            difference = torch.where(seen, (mb.sampler_log_probs - old).abs(), 0.0).sum()  # where: NaN stays out
-            train.add("sampler_logprob_diff", difference / seen_tokens.clamp(min=1), seen_tokens)
+            difference, seen_tokens = sampler_mismatch(mb.sampler_log_probs, old, mb.mask, args.sampling_min_tokens)
+            train.add("sampler_logprob_diff", difference / seen_tokens.clamp(min=1), seen_tokens)  # (none: weight 0)
     ok = True
     if m.critic is not None:
         ok = _clip_and_step(m.critic, m.critic_optimizer, args.max_grad_norm, train, "critic_grad_norm")

@@ -758,3 +758,16 @@ def test_gspo_takes_geometric_correction_by_default_and_refuses_token_level(caps
     with pytest.raises(SystemExit):
         parse(RLArgs, ["--loss_type", "gspo", "--rollout_is_level", "token"])
     assert "gspo keeps one weight per sequence" in capsys.readouterr().err
+
+
+def test_the_sampler_mismatch_leaves_out_the_tokens_where_eos_was_banned():
+    """Issue 77.5: with --sampling_min_tokens the sampler draws its first tokens from the distribution without EOS,
+    renormalised; counting them made sampler_logprob_diff report a distribution change as a numerics gap."""
+    from alignment.estimators import sampler_mismatch
+    learner = torch.tensor([[-1.0, -2.0, -3.0, -4.0], [-1.0, -1.0, -1.0, 0.0]])
+    sampler = learner + torch.tensor([[0.5, 0.5, 0.1, 0.2], [0.5, float("nan"), 0.3, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    total, count = sampler_mismatch(sampler, learner, mask)
+    assert count == 6 and total.item() == pytest.approx(0.5 + 0.5 + 0.1 + 0.2 + 0.5 + 0.3)  # NaN and padding out
+    total, count = sampler_mismatch(sampler, learner, mask, min_tokens=2)
+    assert count == 3 and total.item() == pytest.approx(0.1 + 0.2 + 0.3)
