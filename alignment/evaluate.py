@@ -24,7 +24,8 @@ from alignment.errors import UserError, cli
 from alignment.drgrpo_grader import extract_boxed, extract_last_number, normalize, question_only_reward_fn, r1_zero_reward_fn
 from alignment.rollout import traces
 from alignment.run import LOCK_FILE, lock_folder, run_config
-from alignment.sampling import SamplingParams, make_sampler, pick_backend
+from alignment.samplers import make_sampler, pick_backend
+from alignment.sampling import SamplingParams
 
 # rollout mode -> its generate function; picked once, by name
 ROLLOUT_MODES = {"standard": rollout.generate, "delethink": delethink.generate, "tir": tir.generate}

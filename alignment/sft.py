@@ -38,7 +38,8 @@ from alignment.errors import MissingFileError, UserError, cli
 from alignment.evaluate import _model_context, check_context, evaluate
 from alignment.grpo import sft_microbatch_train_step
 from alignment.run import Run
-from alignment.sampling import SamplingParams, WeightPush, make_sampler, pick_backend
+from alignment.samplers import make_sampler, pick_backend
+from alignment.sampling import SamplingParams, WeightPush
 from alignment.tokens import get_response_log_probs, tokenize_prompt_and_output
 from alignment.worked import worked_solution
 

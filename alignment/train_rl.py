@@ -38,7 +38,8 @@ from alignment.evaluate import PROMPT_SETTINGS, check_context, context_need, eva
 from alignment.experience import Experience, SamplingStopped, build_experience, collect_rollouts
 from alignment.grpo import policy_microbatch_train_step, weighted_sum
 from alignment.run import Run
-from alignment.sampling import SamplingParams, WeightPush, derive_seed, hf_sampler, make_sampler, pick_backend
+from alignment.samplers import make_sampler, pick_backend
+from alignment.sampling import SamplingParams, WeightPush, derive_seed
 from alignment.tokens import SharedPrompts, rollout_log_probs, rollout_values, to_device
 
 RESUMABLE_CHANGES = {"n_steps"}  # flags a resumed run may change, besides the run folder's own (run.py)
@@ -302,15 +303,16 @@ def load_models(args: RLArgs, run: Run, roles: dict, device: str, backend: str) 
         # (pushed after each update), so the compiled decode step reads bf16 weights instead of casting fp32 ones
         static = args.hf_decoding == "static" or (args.hf_decoding == "auto" and roles["sample"].startswith("cuda"))
         shares = roles["policy"] == [roles["sample"]] and not device and not (static and roles["sample"].startswith("cuda"))
-        sampler = hf_sampler(policy if shares else copy(run.weights, "sample"), tokenizer, args.sample_batch_size,
-                             decoding=args.hf_decoding)
+        sampler = make_sampler("hf", policy if shares else copy(run.weights, "sample"), tokenizer,
+                               batch_size=args.sample_batch_size, decoding=args.hf_decoding)
     else:
         sampler = make_sampler(backend, None, tokenizer, models.resolve_model(run.weights), roles["sample"],
                                seed=args.seed, **args.vllm_options())
     # LoRA: the policy with its adapters off is the start model (build_experience runs it in lora.frozen)
     reference = (policy if lora.is_lora(policy) else copy(run.start_model, "reference")) if args.kl_coef > 0 else None
-    eval_sampler = sampler if roles["eval"] == roles["sample"] else hf_sampler(
-        policy if roles["eval"] in roles["policy"] else copy(run.weights, "eval"), tokenizer, decoding=args.hf_decoding)
+    eval_sampler = sampler if roles["eval"] == roles["sample"] else make_sampler(
+        "hf", policy if roles["eval"] in roles["policy"] else copy(run.weights, "eval"), tokenizer,
+        decoding=args.hf_decoding)
     optimizer = models.adamw(lora.trainable_parameters(policy), lr=args.learning_rate,
                              weight_decay=args.weight_decay, betas=(0.9, 0.95))
     critic = critic_optimizer = None

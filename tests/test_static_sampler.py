@@ -4,6 +4,7 @@ its batch-mates, counter-based draws that are uniform and reproducible, and a de
 one graph without recompiling."""
 
 import collections
+import functools
 
 import pytest
 import torch
@@ -211,7 +212,8 @@ def test_the_decode_step_compiles_into_one_graph_without_recompiling(tiny_model,
 
 def test_hf_decoding_picks_the_sampler_and_refuses_what_cannot_work(tiny_model, tokenizer):
     from alignment.errors import UserError
-    from alignment.sampling import hf_sampler
+    from alignment.samplers import make_sampler
+    hf_sampler = functools.partial(make_sampler, "hf")
     assert type(hf_sampler(tiny_model, tokenizer)) is HFSampler  # auto on the CPU: the reference loop
     assert type(hf_sampler(tiny_model, tokenizer, decoding="static")) is StaticSampler
     assert not hf_sampler(tiny_model, tokenizer, decoding="static").compile  # compiled only on CUDA
