@@ -34,7 +34,6 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from alignment import distributed, lora, models
-from alignment.errors import UserError
 from alignment.seeds import derive_seed
 
 

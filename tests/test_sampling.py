@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from alignment import samplers, sampling
+from alignment import samplers
 from alignment.samplers import pick_backend
 from alignment.sampling import HFSampler, SamplingParams, sample_next
 
