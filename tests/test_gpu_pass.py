@@ -43,6 +43,10 @@ def _gpu_pass(*argv, cwd=ROOT):
     (["--budget", "-5"], "no stage would start"),
     (["--budget", "nan"], "no stage would start"),
     (["--only", "rl,bogus"], "no stage called 'bogus'"),  # once: "every stage ok" having run none
+    # a rerun of one stage: what it reads lived in the last pass's temporary folder, gone with it
+    (["--only", "evaluate"], "--only evaluate needs the sft stage too"),
+    (["--only", "rl,fsdp_resume"], "needs the fsdp stage too (it reads what fsdp makes in the pass's own work folder): "
+                                   "--only fsdp,rl,fsdp_resume"),
 ])
 def test_the_pass_refuses_a_bad_flag_before_it_writes_anything(argv, message, tmp_path):
     done = _gpu_pass("run", "--out", str(tmp_path / "out"), *argv)

@@ -180,17 +180,18 @@ def test_the_demo_driver_runs_every_stage_and_resumes(tiny_model_dir, tmp_path):
     other = subprocess.run(command + ["--worked_style", "rewrite"], capture_output=True, text=True, timeout=900)
     assert other.returncode != 0 and "sft-seed0 result made with other flags" in other.stderr, other.stderr
     assert "uv run python" not in other.stdout
-    # with --overwrite each stage is redone through its script's own rules: files no run wrote are never deleted
+    # with --overwrite a stage folder holding a file no run wrote is refused before any stage runs: never deleted
     (tmp_path / "demo" / "rl-seed0" / "notes.txt").write_text("mine")
     redo = subprocess.run(command + ["--worked_style", "rewrite", "--overwrite"], capture_output=True, text=True,
                           timeout=900)
-    assert redo.returncode != 0 and "rl-seed0: uv run python" in redo.stdout and "--overwrite" in redo.stdout
-    assert "holds files no run writes (notes.txt)" in (tmp_path / "demo" / "rl-seed0.log").read_text()
+    assert redo.returncode != 0 and "rl-seed0 holds files no run of the stage writes (notes.txt)" in redo.stderr
+    assert "uv run python" not in redo.stdout and "Traceback" not in redo.stderr, redo.stderr
     assert (tmp_path / "demo" / "rl-seed0" / "notes.txt").read_text() == "mine"
+    (tmp_path / "demo" / "rl-seed0" / "notes.txt").unlink()  # then each stage is redone through its script's rules
     again = subprocess.run(command + ["--worked_style", "rewrite", "--overwrite"], capture_output=True, text=True,
-                           timeout=900)  # the refused stage's folder still holds the other recipe's run: not kept
-    assert again.returncode != 0 and "sft-seed0: done, kept" in again.stdout, again.stdout
-    assert "rl-seed0: done, kept" not in again.stdout and "rl-seed0: uv run python" in again.stdout
+                           timeout=900)
+    assert again.returncode == 0 and again.stdout.count("done, kept") == 2, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "rl-seed0: uv run python" in again.stdout and "--overwrite" in again.stdout  # the start model's two kept
     assert "rewrite" in json.loads((tmp_path / "demo" / "stages.json").read_text())["sft-seed0"]["command"]
 
 

@@ -1,0 +1,311 @@
+"""The bench drivers' own rules (bench/steps_demo.py's stage runner, which tir_demo.py and delethink_demo.py use;
+gpu_pass.py's prepare and run; rl_step.py's flags), each checked with tiny stand-in stages (`python -c ...`) rather
+than a trained model: a user's file is never deleted, a signal reaches the stage, a damaged record or a bad flag is
+one line, a failed stage says its own error."""
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import delethink_demo  # noqa: E402
+import gpu_pass  # noqa: E402
+import steps_demo  # noqa: E402
+import tir_demo  # noqa: E402
+from steps_demo import Stage  # noqa: E402
+
+
+def fake_stage(out: Path, name: str, code: str, trains: bool = False) -> Stage:
+    """A stage whose command is `python -c code --output_dir <out>/<name>` (the code reads its folder from argv)."""
+    prelude = "import pathlib, signal, sys, time; folder = pathlib.Path(sys.argv[sys.argv.index('--output_dir') + 1]); "
+    return Stage(name, ["-c", prelude + code, "--output_dir", str(out / name)], trains=trains)
+
+
+# ----------------------------------------------------------------------------- a user's files (issue 77, 1)
+
+def test_overwrite_never_deletes_a_users_file_in_a_folder_named_like_a_stage(tmp_path):
+    """A user's summary.json beside their thesis.tex in <out>/eval-start-trained/ was deleted by --overwrite, and
+    evaluate then wrote into the folder: a folder this driver has no record of making is refused, in one line."""
+    out = tmp_path / "demo"
+    folder = out / "eval-start-trained"
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text('{"mine": 1}')
+    (folder / "thesis.tex").write_text("\\section{mine}")
+    stage = Stage("eval-start-trained", steps_demo.eval_command("smollm2-135m", "gsm8k", folder, 2))
+    for overwrite in (False, True):
+        with pytest.raises(SystemExit, match="eval-start-trained holds files this driver has no record of making"):
+            steps_demo.check_plan([stage], out, overwrite)
+    assert (folder / "summary.json").read_text() == '{"mine": 1}' and (folder / "thesis.tex").exists()
+
+
+def test_a_stage_folder_the_driver_made_is_redone_only_while_it_holds_nothing_else(tmp_path):
+    out = tmp_path / "demo"
+    stage = fake_stage(out, "eval-x", "(folder / 'summary.json').write_text('{\"new\": 1}')")
+    folder = stage.folder
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text('{"old": 1}')
+    (folder / "results.jsonl").write_text("{}\n")
+    older = {"command": stage.command[:-2] + ["--limit", "1", "--output_dir", str(folder)], "reads": {}}
+    (out / "stages.json").write_text(json.dumps({"eval-x": older}))  # this driver made it, with other flags
+    (folder / "notes.txt").write_text("mine")  # then the user put a file there
+    for attempt in (lambda: steps_demo.check_plan([stage], out, True), lambda: steps_demo.run_stage(stage, out)):
+        with pytest.raises(SystemExit, match=r"eval-x holds files no run of the stage writes \(notes.txt\)"):
+            attempt()
+        assert (folder / "summary.json").read_text() == '{"old": 1}' and (folder / "notes.txt").read_text() == "mine"
+    (folder / "notes.txt").unlink()
+    steps_demo.check_plan([stage], out, True)
+    assert steps_demo.run_stage(stage, out) >= 0  # redone: evaluate's old files deleted, the new ones written
+    assert (folder / "summary.json").read_text() == '{"new": 1}' and not (folder / "results.jsonl").exists()
+    assert json.loads((out / "stages.json").read_text())["eval-x"]["command"] == stage.command
+
+
+# ----------------------------------------------------------------------------- signals (2)
+
+CHILD = ("signal.signal(signal.SIGTERM, {handler}); "
+         "(folder.parent / 'child.pid').write_text(str(__import__('os').getpid())); time.sleep(120)")
+STOPS = "lambda *a: ((folder.parent / 'stopped').write_text('saved'), sys.exit(143))"
+
+
+@pytest.mark.parametrize("handler, wait, ended", [
+    (STOPS, 60, "which ended (exit status 143)"),  # train_rl: it stops after its step, with a checkpoint
+    ("signal.SIG_IGN", 1, "which did not end within 1 s and was killed"),  # a stage that does not stop
+])
+def test_sigterm_to_a_driver_reaches_its_stage_and_the_driver_waits_for_it(tmp_path, handler, wait, ended):
+    """`kill -TERM <driver>` during a stage once exited 143 silently, the stage running on with parent 1."""
+    out = tmp_path / "demo"
+    out.mkdir()
+    stage = fake_stage(out, "rl-seed0", CHILD.format(handler=handler), trains=True)
+    driver = subprocess.Popen([sys.executable, "-c", f"""
+import sys; sys.path.insert(0, {str(ROOT / 'bench')!r})
+from pathlib import Path
+import steps_demo
+steps_demo.STOP_WAIT_SECONDS = {wait}
+steps_demo.run_stage(steps_demo.Stage(*{tuple(stage)!r}), Path({str(out)!r}))
+"""], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_file, child = out / "child.pid", None
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child = int(pid_file.read_text())  # written once its SIGTERM handler is set
+        driver.send_signal(signal.SIGTERM)
+        stdout, stderr = driver.communicate(timeout=60)
+        assert driver.returncode == 143, (stdout, stderr)
+        assert f"stopped by SIGTERM, passed on to the rl-seed0 stage, {ended}" in stderr, stderr
+        assert "run the same command again to continue" in stderr and "Traceback" not in stderr
+        assert (out / "stopped").exists() == (handler == STOPS)
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)  # no orphan: the driver waited for it (and reaped it)
+    finally:
+        driver.kill()
+        if child:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+# ----------------------------------------------------------------------------- damaged records (4)
+
+@pytest.mark.parametrize("name, text", [
+    ("stages.json", ""),  # empty
+    ("stages.json", '{"sft-seed0": {"command": ["-m", "alignm'),  # cut short
+    ("stages.json", "not json"),
+    ("stages.json", '{"sft-seed0": {"command": "-m"}}'),  # JSON, not a record
+    ("times.json", '{"sft-seed0": 1.5, "rl'),
+])
+def test_a_damaged_driver_record_is_one_line_naming_it(tmp_path, name, text):
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / name).write_text(text)
+    stage = fake_stage(out, "eval-x", "pass")
+    attempts = [lambda: steps_demo.run_stage(stage, out)]
+    if name == "stages.json":  # what the plan reads
+        attempts.append(lambda: steps_demo.check_plan([stage], out, True))
+    for attempt in attempts:
+        with pytest.raises(SystemExit, match=re.escape(f"{out / name} is not the JSON record this driver writes")):
+            attempt()
+    assert (out / name).read_text() == text and not (out / "eval-x").exists()
+
+
+def test_the_driver_writes_its_records_whole(tmp_path):
+    out = tmp_path / "demo"
+    out.mkdir()
+    assert steps_demo.run_stage(fake_stage(out, "eval-x", "pass"), out) >= 0
+    assert sorted(p.name for p in out.iterdir()) == ["eval-x.log", "stages.json", "times.json"]  # no .part left
+    assert set(steps_demo.records(out)) == set(steps_demo.times(out)) == {"eval-x"}
+
+
+# ----------------------------------------------------------------------------- a failed stage's own line (9)
+
+def test_a_failed_stage_says_its_own_error_line_and_its_log(tmp_path):
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "stages.json").write_text("{}")
+    (out / "eval-x.log").write_text("error: an older attempt's line\n")
+    stage = fake_stage(out, "eval-x", "print('loading', flush=True); "
+                                      "sys.exit('error: --limit 5 is more than the split holds: give 3 or fewer.')")
+    with pytest.raises(SystemExit) as stopped:
+        steps_demo.run_stage(stage, out)
+    assert str(stopped.value).endswith(f"error: the eval-x stage failed (exit status 1): --limit 5 is more than the "
+                                       f"split holds: give 3 or fewer. (its output: {out / 'eval-x.log'})")
+    refused = fake_stage(out, "eval-y", "sys.stderr.write('error: no such dataset\\n'); sys.exit(2)")
+    with pytest.raises(SystemExit, match=r"eval-y stage failed \(exit status 2\): no such dataset \(its output"):
+        steps_demo.run_stage(refused, out)
+    assert set(steps_demo.records(out)) == {"eval-x"}  # a refused stage (status 2) leaves no record of its command
+    crashed = fake_stage(out, "eval-z", "raise RuntimeError('a bug')")
+    with pytest.raises(SystemExit, match="eval-z stage failed \\(exit status 1\\): RuntimeError: a bug"):
+        steps_demo.run_stage(crashed, out)
+
+
+# ----------------------------------------------------------------------------- flags (7, 8)
+
+@pytest.mark.parametrize("driver, argv", [
+    (tir_demo, ["--max_tokens", "0"]),  # once taken as unset: the recipe's 192
+    (tir_demo, ["--max_tokens", "-4"]),
+    (tir_demo, ["--rl_steps", "0"]),
+    (steps_demo, ["--limit", "0"]),
+    (steps_demo, ["--sft_examples", "0"]),
+    (delethink_demo, ["--budget", "0"]),
+    (delethink_demo, ["--rl_steps", "-1"]),
+])
+def test_the_drivers_refuse_a_number_below_one(driver, argv, capsys, tmp_path):
+    with pytest.raises(SystemExit) as refused:
+        driver.parse_args([*argv, "--out", str(tmp_path / "demo")])
+    assert refused.value.code == 2
+    assert f"argument {argv[0]}: {argv[1]}: give a whole number from 1" in capsys.readouterr().err
+
+
+def test_tir_demos_max_tokens_sets_every_budget_and_its_default_is_the_recipes(tmp_path):
+    def budgets(*argv):
+        args = tir_demo.parse_args([*argv, "--seeds", "0", "--arms", "text", "--out", str(tmp_path / "demo")])
+        stages = {s.name: s.command for s in tir_demo.plan(args, args.out)}
+        rl, evaluation = stages["rl-text-seed0"], stages["eval-rl-text-seed0-trained"]
+        return rl[rl.index("--sampling_max_tokens") + 1], evaluation[evaluation.index("--max_tokens") + 1]
+    assert budgets() == (tir_demo.SAMPLE_TOKENS, tir_demo.EVAL_TOKENS)
+    assert budgets("--max_tokens", "24") == ("24", "24")
+
+
+@pytest.mark.parametrize("argv", [["--rl_flags", "--compile_layers"], ["--rl_flags=--compile_layers"]])
+def test_rl_flags_takes_a_value_that_starts_with_dashes(argv, tmp_path):
+    """`--rl_flags --compile_layers` once ended in argparse's "expected one argument"."""
+    args = steps_demo.parse_args([*argv, "--seeds", "0", "--out", str(tmp_path / "demo")])
+    assert args.rl_flags == "--compile_layers"
+    rl = next(s for s in steps_demo.plan(args, args.out) if s.name == "rl-seed0")
+    assert rl.command[-1] == "--compile_layers"
+    spaced = steps_demo.parse_args(["--rl_flags", "--kl_coef 0.05", "--out", str(tmp_path / "demo")])
+    assert spaced.rl_flags == "--kl_coef 0.05"
+
+
+@pytest.mark.parametrize("flag", ["--overwrite", "--learning_rate=1e-4"])
+def test_rl_flags_may_not_set_what_the_driver_sets(flag, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        steps_demo.parse_args(["--rl_flags", flag, "--out", str(tmp_path / "demo")])
+    assert f"--rl_flags may not set {flag.split('=')[0]}: the driver sets it" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- bench/rl_step.py (5, 7)
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trl_python", "/nonexistent/python"], "error: --trl_python /nonexistent/python does not run"),
+    (["--trl_python", sys.executable], "cannot import trl (ModuleNotFoundError"),  # the project's own: no TRL
+    (["--rounds", "0"], "argument --rounds: 0: give a whole number from 1"),
+])
+def test_rl_step_refuses_a_bad_flag_before_any_run(argv, message, tmp_path):
+    if "cannot import" in message and subprocess.run([sys.executable, "-c", "import trl"]).returncode == 0:
+        pytest.skip("this Python imports TRL")
+    done = subprocess.run([sys.executable, "bench/rl_step.py", *argv, "--work", str(tmp_path / "work")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "work").exists()  # nothing of either side ran
+
+
+# ----------------------------------------------------------------------------- bench/gpu_pass.py prepare (3)
+
+@pytest.fixture
+def good_pass(tmp_path):
+    """A good .gpu_pass/ from an earlier prepare."""
+    prepared = tmp_path / ".gpu_pass"
+    (prepared / "whl").mkdir(parents=True)
+    (prepared / "whl" / "good-1.0-py3-none-any.whl").write_text("a wheel")
+    return prepared
+
+
+def test_prepare_checks_everything_before_it_touches_the_last_good_folder(good_pass, tmp_path, monkeypatch):
+    """With no Python 3.12 it once deleted the 16 MB folder and left an empty whl/; with a missing --data_dir it
+    downloaded, then died half-made (a FileNotFoundError traceback)."""
+    def no_download(*a, **k):
+        raise AssertionError("nothing is fetched before the checks pass")
+    monkeypatch.setattr(gpu_pass.subprocess, "run", no_download)
+    scratch = tmp_path / "scratch"
+    monkeypatch.setattr(gpu_pass, "find_python312", lambda: "")
+    with pytest.raises(SystemExit, match="none was found"):
+        gpu_pass.prepare(argparse.Namespace(data_dir=None), good_pass, scratch)
+    monkeypatch.setattr(gpu_pass, "find_python312", lambda: sys.executable)
+    with pytest.raises(SystemExit, match=re.escape(f"no GSM8K rows at {tmp_path / 'missing'}")):
+        gpu_pass.prepare(argparse.Namespace(data_dir=str(tmp_path / "missing")), good_pass, scratch)
+    assert [p.name for p in good_pass.rglob("*")] == ["whl", "good-1.0-py3-none-any.whl"]
+    assert not scratch.exists() or not any(scratch.iterdir())
+
+
+def test_prepare_builds_aside_and_replaces_the_folder_only_when_done(good_pass, data_dir, tmp_path, monkeypatch):
+    from alignment import models
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_text("weights")  # the weights stay behind
+    monkeypatch.setattr(models, "resolve_model", lambda name: str(model))
+    monkeypatch.setattr(gpu_pass, "find_python312", lambda: sys.executable)
+    scratch = tmp_path / "scratch"
+    monkeypatch.setattr(gpu_pass.subprocess, "run", lambda command, **k: subprocess.CompletedProcess(command, 1))
+    with pytest.raises(SystemExit, match="`pip download` failed .*the last .gpu_pass/ is left as it was"):
+        gpu_pass.prepare(argparse.Namespace(data_dir=str(data_dir)), good_pass, scratch)
+    assert [p.name for p in good_pass.rglob("*")] == ["whl", "good-1.0-py3-none-any.whl"]
+    assert not any(scratch.iterdir())  # the half-made folder removed
+
+    def fetched(command, **k):  # pip download / pip wheel: one wheel each into the folder named after -d / -w
+        folder = Path(command[command.index("-d" if "-d" in command else "-w") + 1])
+        (folder / f"{command[3]}-1.0-py3-none-any.whl").write_text("a wheel")
+        return subprocess.CompletedProcess(command, 0)
+    monkeypatch.setattr(gpu_pass.subprocess, "run", fetched)
+    gpu_pass.prepare(argparse.Namespace(data_dir=str(data_dir)), good_pass, scratch)
+    assert sorted(p.name for p in (good_pass / "whl").iterdir()) == ["download-1.0-py3-none-any.whl",
+                                                                    "wheel-1.0-py3-none-any.whl"]
+    assert [p.name for p in (good_pass / "smollm2-135m").iterdir()] == ["config.json"]
+    assert len((good_pass / "data" / "gsm8k" / "train.jsonl").read_text().splitlines()) == 200
+    assert not any(scratch.iterdir())
+
+
+# ----------------------------------------------------------------------------- bench/gpu_pass.py run (6)
+
+def test_the_pass_removes_its_temporary_work_folder_and_keeps_a_named_one(tmp_path, monkeypatch):
+    for key in ("PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "PYTHONPATH",
+                "ALIGNMENT_DATA_DIR", "CUDA_VISIBLE_DEVICES", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):  # run() sets these
+        monkeypatch.setenv(key, os.environ[key]) if key in os.environ else monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(gpu_pass, "environment", lambda device: {})
+    def build_models(args, work, say):
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "model.bin").write_text("random weights")
+    monkeypatch.setattr(gpu_pass, "build_models", build_models)
+    monkeypatch.setattr(gpu_pass, "stage_plan", lambda args, work: [("sft", [sys.executable, "-c", "pass"], 60)])
+    monkeypatch.setitem(gpu_pass.CHECKS, "sft", lambda work, output, env: {"made": (work / "model.bin").exists()})
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(gpu_pass.tempfile, "tempdir", str(temporary))
+
+    def run(out, work=None):
+        return gpu_pass.run(argparse.Namespace(out=str(tmp_path / out), device="cpu", tiny=True, work=work,
+                                               budget=100, only=None))
+    assert run("out") == 0
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["stages"]["sft"]["made"] is True
+    assert not any(temporary.iterdir())  # the pass's own temporary folder is gone
+    assert run("out2", work=str(tmp_path / "work")) == 0 and (tmp_path / "work" / "model.bin").exists()
