@@ -22,9 +22,11 @@ earlier rewards only, so a run replays exactly.
 """
 
 import dataclasses
+import math
 
 import torch
 
+from alignment.errors import UserError
 from alignment.rollout import traces
 from alignment.sampling import derive_seed
 
@@ -71,6 +73,9 @@ def _has_spread(pool) -> bool:
 
 
 def _right(score: dict) -> bool:
+    if math.isnan(float(score["answer_reward"])):
+        raise UserError("--group_size_max grows groups until they hold right and wrong answers, read from each "
+                        "answer's answer_reward, which --reward_fn does not return: return it, or drop the flag.")
     return float(score["answer_reward"]) > 0.5
 
 

@@ -11,10 +11,12 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from alignment.grpo import LOSS_TYPES
+from alignment.recipe import read_recipe, take_config
 
 
 def arg(default, help: str, choices: tuple | None = None, group: str | None = None):
@@ -28,7 +30,8 @@ def arg(default, help: str, choices: tuple | None = None, group: str | None = No
 # here is listed under the first line of its dataclass's docstring (the rollout modes, for instance).
 GROUPS = {
     "model and data": ("model", "dataset", "eval_dataset", "split", "data_dir", "rg_size", "worked_style", "train_file",
-                       "max_examples", "max_response_tokens", "limit", "prompt", "chat_template", "seed"),
+                       "question_key", "answer_key", "max_examples", "max_response_tokens", "limit", "prompt",
+                       "prompt_file", "chat_template", "reward_fn", "reward_timeout", "accept_changed_reward", "seed"),
     "sampling": ("n_samples", "temperature", "top_p", "max_tokens", "group_size", "rollout_batch_size",
                  "sampling_temperature", "sampling_top_p", "sampling_max_tokens", "sampling_min_tokens", "filter_low",
                  "filter_high", "max_sampling_rounds", "group_size_max"),
@@ -77,13 +80,21 @@ def parse(cls, argv=None):
     """Parse argv into `cls`, check every value's range and choices and the cross-field rules, and end a bad
     command line with one sentence (`error: ...`, exit status 2) before any work starts."""
     argv = _negative_values_joined([_underscored(word) for word in (sys.argv[1:] if argv is None else argv)])
-    namespace, unknown = build_parser(cls).parse_known_args(argv)
+    try:  # --config FILE is no flag of the dataclass (a resume must not see it as a changed training flag)
+        argv, recipe_path = take_config(argv)
+        recipe, recipe_given = read_recipe(recipe_path, cls, SCRIPTS) if recipe_path else ({}, set())
+    except ValueError as e:
+        _fail(str(e))
+    parser = build_parser(cls)
+    parser.set_defaults(**recipe)  # under the command line: a flag given there wins
+    namespace, unknown = parser.parse_known_args(argv)
     try:
         if unknown:
             raise ValueError(_unknown_flag(unknown, cls))
         values = vars(namespace)
         given = {word[2:].split("=")[0] for word in argv if word.startswith("--")}
         given |= {name[3:] for name in given if name.startswith("no_")}
+        from_recipe, given = recipe_given - given, given | recipe_given
         if values.get("resume"):  # flags left out are the run's own, from its checkpoint
             if "output_dir" in given and os.path.realpath(values["output_dir"]) != os.path.realpath(values["resume"]):
                 raise ValueError(f"--resume {values['resume']} continues the run in that folder, and --output_dir "
@@ -100,11 +111,16 @@ def parse(cls, argv=None):
                      ("gpu_memory_utilization", "kv_cache_gib", "vllm_enforce_eager", "vllm_max_model_len")}
         if getattr(args, "backend", None) == "vllm":
             moot |= {"hf_decoding": "with --backend vllm (an option of the HF sampler)"}
+        if isinstance(args, OwnDataArgs):
+            moot |= args.own_data_moot()
         for name in sorted(given & set(moot)):  # never dropped silently
             value = getattr(args, name)
             typed = f"--{name} {value}" if not isinstance(value, bool) else f"--{'' if value else 'no_'}{name}"
+            typed += f" (from --config {recipe_path})" if name in from_recipe else ""
             raise ValueError(f"{typed} has no effect {moot[name]}: drop it.")
         args.check()  # check_values first, then the cross-field rules
+        if isinstance(args, OwnDataArgs):
+            args.check_own_data()
     except ValueError as e:
         _fail(str(e))
     args.given_flags = given  # (not a field) a resume names the flags the user changed before what they implied
@@ -132,8 +148,11 @@ def _script(cls) -> str:
 
 def build_parser(cls) -> argparse.ArgumentParser:
     script = _script(cls)
-    parser = argparse.ArgumentParser(prog=f"uv run -m alignment.{script}", usage="%(prog)s [--flag VALUE ...]",
-                                     description=cls.__doc__, allow_abbrev=False,
+    parser = argparse.ArgumentParser(prog=f"uv run -m alignment.{script}",
+                                     usage="%(prog)s [--config FILE] [--flag VALUE ...]", description=cls.__doc__,
+                                     epilog="--config FILE reads flags from a recipe: a TOML file of flag = value "
+                                            "(recipes/ holds examples) or a run's config.json; flags given on the "
+                                            "command line override it (docs/recipes.md).", allow_abbrev=False,
                                      formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32))
     parser.error = _fail  # argparse's own complaints (a bad int, a missing value) as one line too
     sections = {}
@@ -177,7 +196,10 @@ def _order(title: str) -> int:
 
 
 def _fail(message: str):
-    print(f"error: {message}", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank parses: the line is said once, by rank 0
+        print(f"error: {message}", file=sys.stderr)
+    else:  # and the others end after it: the first rank to fail makes torchrun stop the rest, maybe before it printed
+        time.sleep(3)
     sys.exit(2)
 
 
@@ -188,7 +210,7 @@ def _unknown_flag(unknown: list[str], cls) -> str:
     if not word.startswith("--"):
         return f"unexpected argument {word!r}: every option is a --flag (see --help)."
     name = word[2:].split("=")[0]
-    own = [f.name for f in fields(cls)] + [f"no_{f.name}" for f in fields(cls) if f.type is bool]
+    own = [f.name for f in fields(cls)] + [f"no_{f.name}" for f in fields(cls) if f.type is bool] + ["config"]
     owners = [f"alignment.{script}" for script, other in SCRIPTS.items()
               if other is not cls and name in {f.name for f in fields(other)}]
     if owners:
@@ -200,7 +222,7 @@ def _unknown_flag(unknown: list[str], cls) -> str:
 # The range of every number a script takes, by name (the same name means the same kind of number in every
 # script). check_numbers refuses anything outside it before any work starts; a test keeps every numeric
 # field listed here.
-POSITIVE = {"delethink_chunk_size", "delethink_max_turns", "tool_timeout", "gpu_memory_utilization", "kv_cache_gib",
+POSITIVE = {"delethink_chunk_size", "delethink_max_turns", "tool_timeout", "reward_timeout", "gpu_memory_utilization", "kv_cache_gib",
             "vllm_max_model_len", "rg_size", "group_size", "rollout_batch_size", "train_batch_size",
             "train_mini_batch_size", "epochs_per_rollout_batch", "cliprange", "cliprange_high", "advantage_eps",
             "rollout_is_threshold", "critic_learning_rate", "cliprange_value", "max_sampling_rounds",
@@ -261,6 +283,8 @@ def to_dict(args) -> dict:
 # Sums of two numbers of up to two digits from reasoning-gym (offline, seeded): the CPU default RL task.
 # Advantage estimators that give each token its own advantage (one row per trace; whitened over the batch).
 MAX_GROWTH = 32  # adaptive groups: a pool holds at most this many times --group_size (31 growth rounds a step)
+LORA_UNDER_TORCHRUN = ("--lora_rank is not supported under torchrun (FSDP2 sharding of the adapters and the merged "
+                       "weight push are not built): run LoRA in one process, or full fine-tuning under torchrun.")
 MAX_RG_SIZE = 100_000  # reasoning-gym problems generated for one dataset (10M: minutes and 2.5 GB, silently)
 MAX_DELETHINK_TURNS = 64  # chunks per delethink trace: the paper's longest setting has 23 (96K tokens of 8K chunks);
 # 1-token chunks x 1,000 turns once kept evaluate on one question for minutes
@@ -268,6 +292,43 @@ MAX_SAMPLING_ROUNDS = 32  # dynamic sampling: a step samples at most this many b
 TOKEN_LEVEL_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 PROMPTS = ("r1_zero", "question_only", "tir")  # alignment/prompts/*.prompt, each with its reward (evaluate.py)
 DEFAULT_RL_TASK = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=2,operators=+,allow_negation=false,allow_parentheses=false"
+
+
+@dataclass
+class OwnDataArgs:
+    """Your own questions, prompt and reward (docs/own_data.md)."""
+
+    question_key: str = arg("question", "the column of a --dataset / --eval_dataset file that holds the question")
+    answer_key: str = arg("answer", "the column of a --dataset / --eval_dataset file that holds the gold answer (text or number)")
+    prompt_file: str | None = arg(None, "a prompt template of your own instead of --prompt's text: {question}, and any other column of the row by its name ({topic}); --prompt still sets the stop strings and, without --reward_fn, the reward")
+    reward_fn: str | None = arg(None, "a reward of your own: path/to/file.py:name or package.module:name, called as name(response, ground_truth, **columns) and returning a float or {reward, format_reward?, answer_reward?}; run in a worker with --reward_timeout per call (a call that hangs, raises or returns nonsense scores 0, counted as reward_failures)")
+    reward_timeout: float = arg(10.0, "seconds one --reward_fn call may take before its sample scores 0 (counted)")
+    accept_changed_reward: bool = arg(False, "--resume a run whose --reward_fn file changed since it started (its sha256 is in config.json)")
+
+    def own_data_moot(self) -> dict[str, str]:
+        from alignment.data import is_file
+        files = any(is_file(name) for name in (getattr(self, "dataset", ""), getattr(self, "eval_dataset", None) or ""))
+        keys = {} if files else {name: "without a --dataset file (the built-in sets name their own columns)"
+                                 for name in ("question_key", "answer_key")}
+        reward = {} if self.reward_fn else {name: "without --reward_fn" for name in ("reward_timeout", "accept_changed_reward")}
+        return {**keys, **reward}
+
+    def check_own_data(self):
+        if self.prompt_file:
+            path = Path(self.prompt_file)
+            if not path.is_file():
+                raise ValueError(f"--prompt_file {path} does not exist; check the path.")
+            if "{question}" not in path.read_text(encoding="utf-8", errors="replace"):
+                raise ValueError(f"--prompt_file {path} has no {{question}}: write it where the question goes.")
+        if self.reward_fn:
+            from alignment.user_reward import split_spec
+            split_spec(self.reward_fn)
+        for name in ("dataset", "eval_dataset"):
+            from alignment.data import is_file
+            value = getattr(self, name, None)
+            if value and is_file(value) and not Path(value).exists():
+                raise ValueError(f"--{name} {value} does not exist; give a .jsonl, .json, .parquet or .csv file, a "
+                                 f"folder saved by `datasets`, or a built-in set.")
 
 
 @dataclass
@@ -370,6 +431,9 @@ class LoraArgs:
     lora_target_modules: str = arg("all-linear", "layers that get adapters: all-linear (every linear layer of the decoder; not the output head) or comma-separated module names, e.g. q_proj,v_proj")
 
     def check_lora(self):
+        from alignment.distributed import launched
+        if self.lora_rank and launched():  # before the process group starts (torchrun then adds its own summary)
+            raise ValueError(LORA_UNDER_TORCHRUN)
         if self.lora_dropout >= 1:
             raise ValueError(f"--lora_dropout {self.lora_dropout} would drop every input of the adapters: use less than 1.")
         if not self.lora_target_modules.strip(" ,"):
@@ -383,7 +447,7 @@ class LoraArgs:
 
 
 @dataclass
-class EvalArgs(SamplerArgs, RolloutArgs):
+class EvalArgs(OwnDataArgs, SamplerArgs, RolloutArgs):
     """Measure a model on GSM8K or a MATH-style set: format, answer and overall reward; pass@k, maj@k."""
 
     model: str = arg("smollm2-135m", "hub id, local HF folder (e.g. checkpoints/math_sft) or smollm2-135m (packaged, offline)")
@@ -430,7 +494,7 @@ def no_periodic_eval(args) -> dict[str, str]:
 
 
 @dataclass
-class RLArgs(RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
+class RLArgs(OwnDataArgs, RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
     """Policy-gradient RL on math questions: REINFORCE, REINFORCE with a group baseline, GRPO-clip, GSPO; advantages from group normalisation, RLOO, REINFORCE++ or PPO's GAE with a critic."""
 
     model: str | None = arg(None, "policy to start from (default checkpoints/math_sft if it exists, else smollm2-135m)")
@@ -701,7 +765,7 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
 
 
 @dataclass
-class EIArgs(RunArgs, SamplerArgs):
+class EIArgs(OwnDataArgs, RunArgs, SamplerArgs):
     """Expert iteration (CS336 assignment 5): sample answers with the current model, keep the correct ones, fine-tune on them with the SFT step, repeat."""
 
     model: str | None = arg(None, "policy to start from (default checkpoints/math_sft if it exists, else smollm2-135m)")

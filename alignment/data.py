@@ -212,13 +212,92 @@ def rg_data_seed(split: str, seed: int) -> int:
     return RG_TEST_SEED if split == "test" else derive_seed("rg", split, seed) % 2**31
 
 
+FILE_KINDS = (".jsonl", ".json", ".parquet", ".csv")  # a user's own table of questions (or a `datasets` folder)
+HELD_OUT_EVERY = 10  # a file's test split: one question in ten, by a hash of its text (the same for every seed)
+
+
+def is_file(name: str) -> bool:
+    """Whether --dataset names a user's file or folder rather than a built-in set or an rg: task."""
+    return bool(name) and (name.endswith(FILE_KINDS) or name not in DATASETS and not name.startswith("rg:") and (
+        "/" in name or Path(name).exists()))
+
+
+def held_out(question: str) -> bool:
+    """A file's row is in its test split by a hash of its question alone: no seed, no other row moves it."""
+    return derive_seed("held out", question) % HELD_OUT_EVERY == 0
+
+
+def load_file(path: str, split: str, question_key: str = "question", answer_key: str = "answer") -> list[dict]:
+    """A user's rows (`.jsonl`, `.json` list, `.parquet`, `.csv`, or a folder saved by `datasets`): `question` and
+    `answer` (a string: the built-in graders compare strings) from the named columns, and `columns`, every column
+    but the answer one by its own name (what a --reward_fn receives). Split "test" is the held-out tenth
+    (`held_out`), "train" the rest, "all" every row; a `datasets` folder with named splits gives its own."""
+    (rows, own_split), where = _read_table(Path(path), split), f"--dataset {path}"
+    if not rows:
+        raise UserError(f"{where} holds no rows; give a file with one row per question.")
+    missing = [key for key in (question_key, answer_key) if key not in rows[0]]
+    if missing:
+        flags = {question_key: "--question_key", answer_key: "--answer_key"}
+        raise UserError(f"{where} has no column {', '.join(missing)} (its columns: {', '.join(map(str, rows[0]))[:200]}); "
+                        f"name the right ones with {' and '.join(flags[key] for key in missing)}.")
+    out = []
+    for number, row in enumerate(rows, 1):
+        question, answer = row.get(question_key), row.get(answer_key)
+        if not isinstance(question, str) or not question.strip() or answer is None or isinstance(answer, (dict, list)):
+            raise UserError(f"{where}: row {number} needs a non-empty text {question_key} and a text or number "
+                            f"{answer_key} (it has {json.dumps(question, default=str)[:40]} and "
+                            f"{json.dumps(answer, default=str)[:40]}); fix or drop it.")
+        out.append({"question": question, "answer": answer if isinstance(answer, str) else json.dumps(answer),
+                    "columns": {key: value for key, value in row.items() if key != answer_key}})
+    if split == "all" or own_split:
+        return out
+    return [row for row in out if held_out(row["question"]) == (split == "test")]
+
+
+def _read_table(path: Path, split: str) -> tuple[list[dict], bool]:
+    """The file's rows, and whether they are the `split` the file itself names (a `datasets` folder's)."""
+    if not path.exists():
+        raise MissingFileError(f"--dataset {path} does not exist; check the path.")
+    try:
+        if path.is_dir():  # a folder `datasets` saved (save_to_disk): one dataset, or several splits
+            import datasets
+            saved = datasets.load_from_disk(str(path))
+            if isinstance(saved, datasets.DatasetDict):
+                if split not in saved:
+                    raise UserError(f"--dataset {path} has the splits {', '.join(saved)}, not {split}; save a {split} "
+                                    f"split, or save one dataset (its test split is then held out by question).")
+                return saved[split].to_list(), True
+            return saved.to_list(), False
+        if path.suffix == ".jsonl":
+            return read_jsonl(path, (), text=()), False
+        if path.suffix == ".json":
+            rows = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+                raise UserError(f"--dataset {path} must hold a JSON list of objects, one per question.")
+            return rows, False
+        if path.suffix == ".parquet":
+            import pyarrow.parquet
+            return pyarrow.parquet.read_table(path).to_pylist(), False
+        if path.suffix == ".csv":
+            import csv
+            with open(path, newline="", encoding="utf-8") as f:
+                return list(csv.DictReader(f)), False
+    except (OSError, ValueError) as e:  # a damaged parquet or folder, bad JSON, bytes that are not UTF-8
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"--dataset {path} cannot be read ({type(e).__name__}: {str(e)[:200]}); fix the file.") from None
+    raise UserError(f"--dataset {path}: give a {', '.join(FILE_KINDS)} file or a folder saved by `datasets`.")
+
+
 def load_dataset(name: str, split: str = "test", data_dir: str | None = None, size: int = 2000,
-                 seed: int = 0) -> list[dict]:
-    """Rows for `name`: gsm8k, a MATH-style set, or `rg:<task>` (reasoning-gym; `size` problems generated
-    from `rg_data_seed(split, seed)`; a task with few distinct problems can repeat a question across splits,
-    which the scripts leave out of training)."""
+                 seed: int = 0, question_key: str = "question", answer_key: str = "answer") -> list[dict]:
+    """Rows for `name`: gsm8k, a MATH-style set, `rg:<task>` (reasoning-gym; `size` problems generated from
+    `rg_data_seed(split, seed)`; a task with few distinct problems can repeat a question across splits, which the
+    scripts leave out of training), or a user's file or folder (`load_file`, with its columns' names)."""
     if name.startswith("rg:"):
         return load_reasoning_gym(name[3:], size, rg_data_seed(split, seed))
+    if is_file(name):
+        return load_file(name, split, question_key, answer_key)
     if name == "gsm8k":
         return load_gsm8k(split, data_dir)
     if name in MATH_STYLE:
@@ -237,8 +316,17 @@ def load_prompt(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def format_prompt(template: str, question: str) -> str:
-    # str.replace, not str.format: questions and LaTeX are full of braces.
+def prompt_template(name: str, prompt_file: str | None = None) -> str:
+    """The text of --prompt_file when given, else of the built-in template `name`."""
+    return Path(prompt_file).read_text(encoding="utf-8") if prompt_file else load_prompt(name)
+
+
+def format_prompt(template: str, question: str, columns: dict | None = None) -> str:
+    """The template with {question} filled in, and each {column} of a user's row by its name (a file's rows carry
+    `columns`). str.replace, not str.format: questions and LaTeX are full of braces."""
+    for key, value in (columns or {}).items():
+        if key != "question":
+            template = template.replace("{" + key + "}", str(value))
     return template.replace("{question}", question)
 
 

@@ -11,6 +11,7 @@ With `--n_samples k` (and a temperature above 0) it also reports pass@k (some sa
 
 import dataclasses
 import json
+import math
 import re
 import time
 from collections import Counter
@@ -39,9 +40,27 @@ PROMPT_SETTINGS = {
 CPU_DEFAULT_LIMIT = 100  # about 3-5 minutes for smollm2-135m on 2 cores
 
 
-def build_prompts(tokenizer, rows, prompt_name: str, chat_template: bool = False) -> tuple[list[str], list[list[int]]]:
-    template = data.load_prompt(prompt_name)
-    texts = [data.format_prompt(template, row["question"]) for row in rows]
+def make_scorer(args):
+    """score(last row of a trace, question row) -> reward dict, for training and evaluation alike: --reward_fn's
+    (alignment/user_reward.py, with the row's columns) when given, else the grader the prompt calls for; the TIR
+    reward also reads the trace's execution record (ToRL's optional penalty for code that failed)."""
+    if args.reward_fn:
+        from alignment.user_reward import UserReward
+        reward = UserReward(args.reward_fn, args.reward_timeout)
+        score = lambda trace_row, row: reward(trace_row.text, row["answer"], row.get("columns", {"question": row["question"]}))  # noqa: E731
+        score.user_reward = reward  # its failures, and its file's hash for the run's config
+        return score
+    reward_fn, _ = PROMPT_SETTINGS[args.prompt]
+    if args.prompt == "tir":
+        return lambda trace_row, row: tir.tir_reward_fn(trace_row.text, row["answer"], args.tir_reward_scheme,
+                                                        args.exec_penalty, bool(trace_row.stats.get("exec_failed")))
+    return lambda trace_row, row: reward_fn(trace_row.text, row["answer"])
+
+
+def build_prompts(tokenizer, rows, prompt_name: str, chat_template: bool = False,
+                  prompt_file: str | None = None) -> tuple[list[str], list[list[int]]]:
+    template = data.prompt_template(prompt_name, prompt_file)
+    texts = [data.format_prompt(template, row["question"], row.get("columns")) for row in rows]
     if chat_template:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True) for t in texts]
@@ -50,7 +69,8 @@ def build_prompts(tokenizer, rows, prompt_name: str, chat_template: bool = False
 
 
 def check_context(max_model_len: int | None, tokenizer, rows, prompt_name: str, chat_template: bool,
-                  max_tokens: int, model: str | None = None, length: str = "the answer length"):
+                  max_tokens: int, model: str | None = None, length: str = "the answer length",
+                  prompt_file: str | None = None):
     """The longest prompt plus `max_tokens` must fit a vLLM engine's --vllm_max_model_len (checked before the
     engine's minute-long start: vLLM's own error comes only after it), or else the model's own context
     (`model`'s max_position_embeddings: past it vLLM cuts answers short and HF generates on for minutes).
@@ -58,7 +78,7 @@ def check_context(max_model_len: int | None, tokenizer, rows, prompt_name: str, 
     limit = max_model_len or (_model_context(model) if model else None)
     if not limit or not rows:
         return
-    longest = max(len(ids) for ids in build_prompts(tokenizer, rows, prompt_name, chat_template)[1])
+    longest = max(len(ids) for ids in build_prompts(tokenizer, rows, prompt_name, chat_template, prompt_file)[1])
     if longest + max_tokens > limit:
         raise UserError((f"--vllm_max_model_len {max_model_len} cannot hold the longest prompt ({longest} tokens) and "
                          f"an answer of up to {max_tokens}: raise it to at least {longest + max_tokens}.")
@@ -109,13 +129,16 @@ def extract_answer(response: str, prompt_name: str) -> str | None:
 
 def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: SamplingParams | None = None,
              chat_template: bool = False, rollout_mode: str = "standard", mode_args=None,
-             progress: bool = False) -> tuple[dict, list[dict]]:
+             progress: bool = False, score=None, prompt_file: str | None = None) -> tuple[dict, list[dict]]:
     """Generate for every row with the given rollout mode, grade each trace, and return (summary, records).
-    `progress` shows the sampler's progress bar meanwhile (a sampler made with progress=True always does)."""
+    `score(trace's last row, question row)` grades (default: the prompt's reward on the answer; training passes
+    its own, a --reward_fn's too). `progress` shows the sampler's progress bar meanwhile (a sampler made with
+    progress=True always does). A reward part no sample reports (a --reward_fn's) is None: absent, not 0."""
     reward_fn, stop = PROMPT_SETTINGS[prompt_name]
+    score = score or (lambda trace_row, row: reward_fn(trace_row.text, row["answer"]))
     params = params or SamplingParams(temperature=0.0, max_tokens=256)
     params = dataclasses.replace(params, stop=tuple(params.stop) or stop)
-    texts, prompt_ids = build_prompts(tokenizer, rows, prompt_name, chat_template)
+    texts, prompt_ids = build_prompts(tokenizer, rows, prompt_name, chat_template, prompt_file)
     start, shown = time.perf_counter(), getattr(sampler, "progress", False)
     sampler.progress = shown or progress
     try:
@@ -126,7 +149,8 @@ def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: Sam
     records = []
     for trace in all_traces:
         last = trace[-1]
-        rewards = reward_fn(last.text, rows[last.group_id]["answer"])
+        rewards = {k: None if isinstance(v, float) and math.isnan(v) else v  # absent parts: null in the JSON
+                   for k, v in score(last, rows[last.group_id]).items()}
         records.append({"prompt": texts[last.group_id], "response": last.text,
                         "ground_truth": rows[last.group_id]["answer"], "problem": last.group_id,
                         "sample": last.trace_id - last.group_id * params.n,
@@ -139,6 +163,7 @@ def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: Sam
         "avg_format_rewards": _mean(r["format_reward"] for r in records),
         "avg_answer_rewards": _mean(r["answer_reward"] for r in records),
         "avg_all_rewards": _mean(r["reward"] for r in records),
+        **({"reward_failures": sum(r["reward_failed"] for r in records)} if records and "reward_failed" in records[0] else {}),
         "mean_response_tokens": n_tokens / max(len(records), 1),
         "tokens_per_s": n_tokens / max(seconds, 1e-9),
         "generation_s": seconds,
@@ -151,6 +176,14 @@ def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: Sam
         summary[f"pass@{params.n}"] = _mean(any(r["reward"] == 1 for r in group) for group in by_problem)
         summary[f"maj@{params.n}"] = _mean(_majority_is_correct(group, prompt_name) for group in by_problem)
     return summary, records
+
+
+def summary_line(summary: dict) -> str:
+    """`format 0.910 | answer 0.040 | reward 0.040`, a part no answer reported (a --reward_fn's) as absent."""
+    shown = {k: "absent" if summary[k] is None else f"{summary[k]:.3f}" for k in
+             ("avg_format_rewards", "avg_answer_rewards", "avg_all_rewards")}
+    return (f"format {shown['avg_format_rewards']} | answer {shown['avg_answer_rewards']} | reward "
+            f"{shown['avg_all_rewards']}")
 
 
 def _majority_is_correct(records, prompt_name) -> bool:
@@ -166,9 +199,11 @@ def _majority_is_correct(records, prompt_name) -> bool:
     return bool(votes) and correct_by_answer[votes.most_common(1)[0][0]]
 
 
-def _mean(values) -> float:
+def _mean(values) -> float | None:
+    """The mean; None values (a part a --reward_fn did not return) are left out, and all of them is None: absent."""
     values = list(values)
-    return sum(values) / len(values) if values else 0.0
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else (None if values else 0.0)
 
 
 def main(args: EvalArgs) -> dict:
@@ -177,7 +212,8 @@ def main(args: EvalArgs) -> dict:
                f"{re.sub(r'[^A-Za-z0-9._=-]+', '_', args.dataset)}-{time.strftime('%Y%m%d-%H%M%S')}")
     _refuse_used(out)
     models.resolve_model(args.model)  # an unusable --model fails before anything is written
-    rows = data.load_dataset(args.dataset, args.split, args.data_dir)
+    rows = data.load_dataset(args.dataset, args.split, args.data_dir, question_key=args.question_key,
+                             answer_key=args.answer_key)
     limit = args.limit if args.limit is not None else (0 if device.startswith("cuda") else CPU_DEFAULT_LIMIT)
     subset = rows[:limit] if limit else rows
     backend = pick_backend(args.backend, device)
@@ -207,7 +243,8 @@ def _evaluate_into(out: Path, args: EvalArgs, device: str, subset: list[dict], b
     if args.rollout_mode != "tir":  # (tir's context is bounded per call); delethink's by a chunk: prompt + C
         need, length = context_need(args, args.max_tokens)
         check_context(args.vllm_max_model_len if backend == "vllm" else None, tokenizer, subset, args.prompt,
-                      args.chat_template, need, args.model, length)
+                      args.chat_template, need, args.model, length, args.prompt_file)
+    score = make_scorer(args)  # a --reward_fn's worker starts (and a bad one is refused) before the weights load
     model = models.load_model(args.model, device, models.default_dtype(device, args.precision)) if backend == "hf" else None
     sampler = make_sampler(backend, model, tokenizer, models.resolve_model(args.model), device,
                            batch_size=args.batch_size, seed=args.seed, progress=True, decoding=args.hf_decoding,
@@ -215,13 +252,20 @@ def _evaluate_into(out: Path, args: EvalArgs, device: str, subset: list[dict], b
     params = SamplingParams(n=args.n_samples, temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)
     summary, records = evaluate(sampler, tokenizer, subset, args.prompt, params, args.chat_template,
-                                args.rollout_mode, mode_args=args)
+                                args.rollout_mode, mode_args=args, score=score, prompt_file=args.prompt_file)
     with open(out / "results.jsonl", "w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
+    user_reward = getattr(score, "user_reward", None)
+    if user_reward is not None:  # which file scored, and what failed
+        summary["reward_fn_sha256"] = user_reward.sha256
+        if user_reward.errors:
+            print(f"[evaluate] --reward_fn failed on {len(user_reward.errors)} of {len(records)} answers (each scored "
+                  f"0), first: {user_reward.errors[0]}")
+        user_reward.close()
     (out / "summary.json").write_text(json.dumps({**summary, "config": to_dict(args)}, indent=2))
     for key, value in summary.items():
-        print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+        print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {'absent' if value is None else value}")
     print(f"[evaluate] wrote {out}/results.jsonl and summary.json")
     if summary["avg_format_rewards"] == 0 and args.prompt == "r1_zero":
         print("[evaluate] no answer used the r1_zero format (</think> <answer> ... </answer>), so none could be "

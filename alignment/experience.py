@@ -34,6 +34,7 @@ from alignment.estimators import (compute_gae_advantages, compute_reinforce_pp_a
                                   subtract_group_mean, whiten)
 from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts
 from alignment.grpo import compute_group_normalized_rewards, filter_pools, loss_weights, reward_metrics
+from alignment.errors import UserError
 from alignment.rollout import Rollout, traces
 from alignment.sampling import SamplingParams, derive_seed
 from alignment.tokens import rollout_log_probs, rollout_values, to_device
@@ -185,12 +186,12 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     stop = PROMPT_SETTINGS[args.prompt][1]
     kept, raw_rewards, metas, samples, mode_rows, lengths, contexts = [], [], [], [], [], [], []
     adaptive_groups, kept_pools, grown = args.group_size_max > args.group_size, [], []
-    seconds = {"sample": 0.0, "score": 0.0}
+    seconds, failures = {"sample": 0.0, "score": 0.0}, 0.0
     for sampling_round in range(1, args.max_sampling_rounds + 1):
         start = time.perf_counter()
         asked = questions_at(rows, drawn + rank * share, share, args.seed)
         drawn += questions
-        prompt_texts, prompt_ids = build_prompts(tokenizer, asked, args.prompt, args.chat_template)
+        prompt_texts, prompt_ids = build_prompts(tokenizer, asked, args.prompt, args.chat_template, args.prompt_file)
         params = SamplingParams(n=args.group_size, temperature=args.sampling_temperature, top_p=args.sampling_top_p,
                                 max_tokens=args.sampling_max_tokens, min_tokens=args.sampling_min_tokens, stop=stop,
                                 logprobs=True,
@@ -199,7 +200,8 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
         seconds["sample"] += time.perf_counter() - start
         start = time.perf_counter()
         # a trace's last row holds its whole text
-        scores = [score(t[-1], asked[t[-1].group_id]["answer"]) for t in round_traces]
+        scores = [score(t[-1], asked[t[-1].group_id]) for t in round_traces]
+        failures += sum(s.get("reward_failed", 0.0) for s in scores)  # a --reward_fn's calls that scored 0
         raw = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
         # the reward numbers are of the first group_size samples per question: comparable across runs
         metas.append(reward_metrics(raw, scores, args.group_size))
@@ -215,16 +217,19 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
             start = time.perf_counter()
             round_traces, scores, pools, numbers = adaptive.grow_groups(
                 args, step, sampling_round, lambda ids, p: ROLLOUT_MODES[args.rollout_mode](sampler, tokenizer, ids, p, args),
-                prompt_ids, params, round_traces, scores, lambda t, group: score(t[-1], asked[group]["answer"]))
+                prompt_ids, params, round_traces, scores, lambda t, group: score(t[-1], asked[group]))
             raw = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
             grown.append(numbers)
             seconds["sample"] += time.perf_counter() - start
         n, keep = args.group_size, torch.ones(len(round_traces), dtype=torch.bool)
         if filtering:  # a filter reads what it filters: with adaptive groups, each whole grown pool
             groups = pools if adaptive_groups else [scores[g * n:(g + 1) * n] for g in range(len(scores) // n)]
+            accuracy = [torch.tensor([float(s["answer_reward"]) for s in g]) for g in groups]
+            if any(a.isnan().any() for a in accuracy):
+                raise UserError("--filter_low / --filter_high read each answer's answer_reward, which --reward_fn "
+                                "does not return: return it in the reward's dict, or drop the filter.")
             keep = filter_pools([torch.tensor([s["reward"] for s in g], dtype=torch.float32) for g in groups],
-                                [torch.tensor([float(s["answer_reward"]) for s in g]) for g in groups],
-                                args.filter_low, args.filter_high).repeat_interleave(n)
+                                accuracy, args.filter_low, args.filter_high).repeat_interleave(n)
         for i in keep.nonzero().flatten().tolist():
             kept.append(round_traces[i])
             raw_rewards.append(raw[i])
@@ -257,9 +262,12 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
         metrics.update({key: sum(g[key] for g in grown) / len(grown) for key in means})
         metrics["samples_per_question_max"] = max(g["samples_per_question_max"] for g in grown)
     metrics["sampled_tokens"] = sum(lengths) + sum(g["growth_tokens"] for g in grown)
+    if args.reward_fn:
+        metrics.pop("reward_failed_mean", None)
+        metrics["reward_failures"] = failures  # first-round scores of every sampling round (growth aside)
     if args.rollout_mode == "tir":
         metrics.update(tir.tir_metrics(mode_rows, [s["reward"] for s in samples]))
-    counts = ("kept_traces", "questions_sampled", "sampled_tokens")  # summed over ranks; the rest are means of equal shares
+    counts = ("kept_traces", "questions_sampled", "sampled_tokens", "reward_failures")  # summed over ranks; the rest are means of equal shares
     totals = distributed.global_sums(list(metrics.values()))
     metrics = {k: v / (1 if k in counts else distributed.world_size()) for k, v in zip(metrics, totals)}
     return Batch(kept, torch.stack(raw_rewards) if kept else torch.zeros(0), metrics, samples, seconds,

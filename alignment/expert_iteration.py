@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from alignment import allocator, distributed, models
 from alignment.args import EIArgs, parse
 from alignment.errors import UserError, cli
-from alignment.evaluate import check_context, evaluate
+from alignment.evaluate import check_context, evaluate, summary_line
 from alignment.experience import collect_rollouts
 from alignment.run import Run
 from alignment.samplers import make_sampler, pick_backend
@@ -44,8 +44,11 @@ RESUMABLE_CHANGES = {"n_ei_steps"}  # flags a resumed run may change, besides th
 
 
 def is_correct(sample: dict) -> bool:
-    """An expert answer: the grader gives it full format and answer reward."""
-    return sample["format_reward"] == 1 and sample["answer_reward"] == 1
+    """An expert answer: the grader gives it full format and answer reward (a --reward_fn's: full marks on each part
+    it reports, or reward 1 when it reports neither)."""
+    parts = [sample.get(key) for key in ("format_reward", "answer_reward")]
+    present = [part for part in parts if part is not None and part == part]  # (NaN != NaN: absent)
+    return all(part == 1 for part in present) if present else sample["reward"] == 1
 
 
 def expert_examples(samples: list[dict], group_size: int) -> tuple[list[dict], dict]:
@@ -100,7 +103,9 @@ def main(args: EIArgs) -> dict:
     tokenizer = models.load_tokenizer(run.weights)
     backend = pick_backend(args.backend, device)
     check_context(args.vllm_max_model_len if backend == "vllm" else None, tokenizer, train_rows + eval_rows,
-                  args.prompt, args.chat_template, max(args.sampling_max_tokens, args.eval_max_tokens), run.weights)
+                  args.prompt, args.chat_template, max(args.sampling_max_tokens, args.eval_max_tokens), run.weights,
+                  prompt_file=args.prompt_file)
+    score = make_scorer(args)  # a --reward_fn's worker starts (a bad one is refused) before the weights load
     model = models.load_policy_model(run.weights, roles["policy"], dtype)
     if device.startswith("cuda"):
         model.gradient_checkpointing_enable()
@@ -110,7 +115,6 @@ def main(args: EIArgs) -> dict:
     push = WeightPush(model)
     state = run.restore(model, None) or {}  # each step's fine-tuning starts a fresh optimizer: none to restore
     generated_tokens = state.get("generated_tokens", 0)  # cumulative: compares EI with RL at equal sampling work
-    score = make_scorer(args)
     run.say(f"[expert_iteration] {args.n_ei_steps} steps of {args.questions_per_step} questions x {args.group_size} "
             f"answers on {args.dataset} from {run.weights}, {args.sft_epochs} SFT epoch(s) per step at lr {args.lr:g}; "
             f"policy on {', '.join(roles['policy'])}; sampler {backend}; precision "
@@ -122,11 +126,9 @@ def main(args: EIArgs) -> dict:
         with autocast:
             summary, _ = evaluate(sampler, tokenizer, eval_rows, args.prompt,
                                   SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens), args.chat_template,
-                                  progress=True)
+                                  progress=True, score=score, prompt_file=args.prompt_file)
         run.log({"step": step, "generated_tokens": generated_tokens, **{f"eval_{k}": v for k, v in summary.items()}})
-        run.say(f"eval  {step}/{args.n_ei_steps} | {eval_name} x{summary['count']} | format "
-                f"{summary['avg_format_rewards']:.3f} | answer {summary['avg_answer_rewards']:.3f} | reward "
-                f"{summary['avg_all_rewards']:.3f}")
+        run.say(f"eval  {step}/{args.n_ei_steps} | {eval_name} x{summary['count']} | {summary_line(summary)}")
 
     if args.eval_every and args.eval_before_train and run.start_step == 0:
         run_eval(0)

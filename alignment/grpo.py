@@ -9,6 +9,7 @@ defaults that reproduce the reference.
 Shapes: B rows (sequences) in a microbatch, T token positions; A is one advantage per row, (B, 1).
 """
 
+import math
 from collections.abc import Callable
 
 import einx
@@ -73,8 +74,9 @@ def reward_metrics(raw_rewards: torch.Tensor, scores: list[dict], group_size: in
         "zero_std_fraction": (spread == 0).float().mean().item(),
     }
     for key in scores[0]:
-        if key != "reward":
-            metadata[f"{key}_mean"] = sum(float(s[key]) for s in scores) / len(scores)
+        if key != "reward":  # a part a --reward_fn did not return is NaN: left out, and NaN when none has it
+            present = [float(s[key]) for s in scores if not math.isnan(float(s[key]))]
+            metadata[f"{key}_mean"] = sum(present) / len(present) if present else math.nan
     return metadata
 
 

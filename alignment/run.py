@@ -45,7 +45,7 @@ from alignment.errors import MissingFileError, StoppedAtOnce, UserError
 STATE_FILE = "trainer_state.pt"
 SAME_PRESS_SECONDS = 1.0  # signals of one kind this close together are one press (uv forwards what the group got)
 ALWAYS_RESUMABLE = {"resume", "overwrite", "output_dir", "eval_every", "eval_before_train", "save_every", "log_rollouts",
-                    "logger", "keep_freed_memory"}
+                    "logger", "keep_freed_memory", "reward_timeout", "accept_changed_reward"}
 
 
 class Run:
@@ -99,7 +99,7 @@ class Run:
             for name in ("metrics.jsonl", "rollouts.jsonl"):  # a crash after the checkpoint wrote these again
                 _truncate_jsonl(self.dir / name, self.start_step, self.say if name == "metrics.jsonl" else None)
             config = {**to_dict(args), "output_dir": str(self.dir), "start_model": self.start_model,
-                      "script": self.script}
+                      "script": self.script, **_reward_hash(args)}
             (self.dir / "config.json.tmp").write_text(json.dumps(config, indent=2, default=str))
             os.replace(self.dir / "config.json.tmp", self.dir / "config.json")  # never half a config: a user's file
             self.logger = _make_logger(args.logger, self.dir, config)
@@ -148,7 +148,7 @@ class Run:
         script's own `state`, which `restore` hands back."""
         trainer_state = {**(state or {}), "step": step, "start_model": self.start_model,
                          "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
-        config = {**to_dict(self.args), "output_dir": str(self.dir)}  # the folder it writes, however it was named
+        config = {**to_dict(self.args), "output_dir": str(self.dir), **_reward_hash(self.args)}  # the folder it writes
         if self.main:
             self._still_there()
         models.save_checkpoint(model, tokenizer, self.checkpoint, config=config, optimizer=optimizer,
@@ -247,6 +247,11 @@ class Run:
         given = getattr(self.args, "given_flags", set(changed))  # what the user typed; the rest followed from it
         typed, implied = sorted(changed[k] for k in changed if k in given), sorted(changed[k] for k in changed
                                                                                     if k not in given)
+        now, then = _reward_hash(self.args).get("reward_fn_sha256"), saved.get("reward_fn_sha256")
+        if now != then and not getattr(self.args, "accept_changed_reward", False):
+            raise UserError(f"--reward_fn {self.args.reward_fn}: its file changed since the run's checkpoint (sha256 "
+                            f"{str(then)[:12]} then, {str(now)[:12]} now): restore it, or pass --accept_changed_reward "
+                            f"to go on with the new one.")
         if changed:
             raise UserError(f"resume with the flags of the original run; these differ: {', '.join(typed or implied)}"
                             + (f" (and, implied by them, {', '.join(implied)})" if typed and implied else "")
@@ -256,6 +261,14 @@ class Run:
         except (EOFError, RuntimeError, pickle.UnpicklingError) as e:
             raise UserError(f"{self.checkpoint / STATE_FILE} is damaged ({e}); the run cannot continue from it: "
                             f"start over with --overwrite, or copy a good checkpoint/ into {self.dir}.") from None
+
+
+def _reward_hash(args) -> dict:
+    """A --reward_fn's file, by its sha256: what the run's config records, so a resume can tell it changed."""
+    if not getattr(args, "reward_fn", None):
+        return {}
+    from alignment.user_reward import source_hash
+    return {"reward_fn_sha256": source_hash(args.reward_fn)}
 
 
 def writable_folder(path) -> Path:

@@ -226,44 +226,16 @@ def main(args: SFTArgs) -> dict:
     check_context(args.vllm_max_model_len if vllm else None, tokenizer, eval_rows, prompt_name(args), False,
                   args.eval_max_tokens, run.weights)
     dtype, autocast = models.train_precision(input_device, args.precision)
-    model = models.load_policy(run, args, roles["policy"], dtype)  # with --lora_rank: adapters on the start model
-    if input_device.startswith("cuda"):
-        model.gradient_checkpointing_enable()
-    if device:
-        distributed.shard(model, device, bf16=models.resolve_precision(args.precision, device) == "bf16")
-    model.train()
+    model = _load_model(args, run, roles, device, dtype)
     sampler = _eval_sampler(args, run, model, tokenizer, device, input_device)
     push = WeightPush(model)
     optimizer = models.adamw(lora.trainable_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     run.restore(model, optimizer)
-    # The schedule is a function of the step and of this run's length, so a resumed run (one whose --epochs
-    # were raised included) takes its next step at the schedule's lr for run.start_step, never at the lr
-    # an earlier, shorter schedule ended on (0 at the end of a finished run).
-    for group in optimizer.param_groups:
-        group["initial_lr"] = args.lr
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps),
-                                                  last_epoch=run.start_step - 1)
-    run.say(f"[sft] {run.weights}: {len(examples)} examples x {args.epochs} epoch(s) = {total_steps} steps of "
-            f"{args.batch_size} ({world} process(es) x {accumulation} microbatches of {args.microbatch_size}), "
-            f"lr {args.lr:g}, warmup {warmup_steps}, {lora.describe(model, args)}, policy on "
-            f"{', '.join(roles['policy'])}, precision "
-            f"{models.resolve_precision(args.precision, input_device)} ({args.precision}), starting at step "
-            f"{run.start_step}; run folder {run.dir}")
+    scheduler = _lr_schedule(args, optimizer, warmup_steps, total_steps, run.start_step)
+    _say_plan(args, run, model, roles, len(examples), total_steps, warmup_steps, accumulation)
 
     def evaluate_and_log(step: int) -> dict | None:  # greedy, on rank 0; the others join the weight gather
-        if not eval_rows:  # --eval_limit 0
-            return None
-        push(sampler)
-        summary = None
-        if run.main:
-            summary, records = run_eval(model, sampler, tokenizer, eval_rows, args, autocast)
-            run.say(f"[eval] step {step} | format {summary['avg_format_rewards']:.3f} | answer "
-                    f"{summary['avg_answer_rewards']:.3f} | reward {summary['avg_all_rewards']:.3f} | len "
-                    f"{summary['mean_response_tokens']:.0f} | {summary['generation_s']:.0f}s")
-            run.log({"step": step, "eval": summary})
-            run.log_rollouts(step, records[:3])
-        distributed.barrier()
-        return summary
+        return _evaluate_and_log(args, run, model, sampler, push, tokenizer, eval_rows, autocast, step)
 
     first_eval = evaluate_and_log(0) if run.start_step == 0 and args.eval_before_train else None
     last_eval, record = first_eval, None
@@ -296,6 +268,56 @@ def main(args: SFTArgs) -> dict:
             f"`uv run -m alignment.evaluate --model {run.dir}`)")
     return {"steps": total_steps, "start_step": run.start_step, "first_eval": first_eval, "last_eval": last_eval,
             "last_loss": record and record["loss"], "train_seconds": elapsed, "run_dir": str(run.dir)}
+
+
+def _load_model(args: SFTArgs, run: Run, roles: dict, device: str, dtype):
+    """The policy in train mode (--lora_rank: adapters on the start model); checkpointed on GPU, sharded by torchrun."""
+    model = models.load_policy(run, args, roles["policy"], dtype)
+    if roles["policy"][0].startswith("cuda"):
+        model.gradient_checkpointing_enable()
+    if device:
+        distributed.shard(model, device, bf16=models.resolve_precision(args.precision, device) == "bf16")
+    model.train()
+    return model
+
+
+def _lr_schedule(args: SFTArgs, optimizer, warmup_steps: int, total_steps: int, start_step: int):
+    """Warmup and cosine decay as a function of the step and of this run's length.
+
+    So a resumed run (one whose --epochs were raised included) takes its next step at the schedule's lr for
+    `start_step`, never at the lr an earlier, shorter schedule ended on (0 at the end of a finished run)."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = args.lr
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps),
+                                             last_epoch=start_step - 1)
+
+
+def _say_plan(args: SFTArgs, run: Run, model, roles: dict, n_examples: int, total_steps: int, warmup_steps: int,
+              accumulation: int):
+    """The start line: examples, steps, batch split, lr, adapters, devices, precision, the step it starts at."""
+    run.say(f"[sft] {run.weights}: {n_examples} examples x {args.epochs} epoch(s) = {total_steps} steps of "
+            f"{args.batch_size} ({distributed.world_size()} process(es) x {accumulation} microbatches of "
+            f"{args.microbatch_size}), lr {args.lr:g}, warmup {warmup_steps}, {lora.describe(model, args)}, policy on "
+            f"{', '.join(roles['policy'])}, precision "
+            f"{models.resolve_precision(args.precision, roles['policy'][0])} ({args.precision}), starting at step "
+            f"{run.start_step}; run folder {run.dir}")
+
+
+def _evaluate_and_log(args: SFTArgs, run: Run, model, sampler, push, tokenizer, eval_rows, autocast, step: int):
+    """Greedy evaluation on rank 0, logged with 3 rollouts (None with --eval_limit 0); the others join the gather."""
+    if not eval_rows:  # --eval_limit 0
+        return None
+    push(sampler)
+    summary = None
+    if run.main:
+        summary, records = run_eval(model, sampler, tokenizer, eval_rows, args, autocast)
+        run.say(f"[eval] step {step} | format {summary['avg_format_rewards']:.3f} | answer "
+                f"{summary['avg_answer_rewards']:.3f} | reward {summary['avg_all_rewards']:.3f} | len "
+                f"{summary['mean_response_tokens']:.0f} | {summary['generation_s']:.0f}s")
+        run.log({"step": step, "eval": summary})
+        run.log_rollouts(step, records[:3])
+    distributed.barrier()
+    return summary
 
 
 def train_step(model, tokenizer, optimizer, scheduler, batch: list[dict], args, device: str, autocast) -> dict:

@@ -34,7 +34,7 @@ from alignment.args import RLArgs, parse
 from alignment.async_rollouts import RolloutSource
 from alignment.errors import UserError, cli
 from alignment.estimators import compute_rollout_is_weights, compute_value_loss, sampler_mismatch
-from alignment.evaluate import PROMPT_SETTINGS, check_context, context_need, evaluate
+from alignment.evaluate import PROMPT_SETTINGS, check_context, context_need, evaluate, make_scorer, summary_line
 from alignment.experience import Experience, SamplingStopped, build_experience, collect_rollouts
 from alignment.grpo import policy_microbatch_train_step, weighted_sum
 from alignment.run import Run
@@ -51,23 +51,18 @@ MAX_BAD_STEPS = 3  # consecutive non-finite losses or gradients before the run a
 CUDA_MICROBATCH_TOKENS = 32_768
 
 
-def make_scorer(args: RLArgs):
-    """(last row of a trace, ground truth) -> reward dict, with the grader the prompt calls for. The TIR
-    reward also reads the trace's execution record (ToRL's optional penalty for code that failed)."""
-    reward_fn, _ = PROMPT_SETTINGS[args.prompt]
-    if args.prompt == "tir":
-        return lambda row, truth: tir.tir_reward_fn(row.text, truth, args.tir_reward_scheme, args.exec_penalty,
-                                                    bool(row.stats.get("exec_failed")))
-    return lambda row, truth: reward_fn(row.text, truth)
-
-
 def load_questions(args: RLArgs, log=print, script: str = "train_rl") -> tuple[list[dict], list[dict], str]:
     """The training questions, the evaluation questions and the evaluation set's name. Held out means held
     out: a training question that is also an evaluation question (a procedural task can draw the same
     problem under two seeds) is left out of training."""
-    train_rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
+    keys = dict(question_key=args.question_key, answer_key=args.answer_key)  # a file's columns
+    train_rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed, **keys)
     eval_name = args.eval_dataset or args.dataset
-    eval_rows = data.load_dataset(eval_name, "test", args.data_dir, size=args.eval_limit, seed=args.seed)[:args.eval_limit]
+    eval_rows = data.load_dataset(eval_name, "test", args.data_dir, size=args.eval_limit, seed=args.seed,
+                                  **keys)[:args.eval_limit]
+    if data.is_file(eval_name) and not args.eval_dataset:
+        log(f"[{script}] held out of training: one question in {data.HELD_OUT_EVERY} of {eval_name}, by a hash of the "
+            f"question (the same for every seed), its test split; {len(eval_rows)} of them evaluated here")
     held_out = {row["question"] for row in eval_rows}
     kept = [row for row in train_rows if row["question"] not in held_out]
     if len(kept) < len(train_rows):
@@ -115,6 +110,82 @@ def main(args: RLArgs) -> dict:
     run = Run(args, f"checkpoints/rl/{args.loss_type}-{time.strftime('%Y%m%d-%H%M%S')}", start_model(args),
               RESUMABLE_CHANGES)
     run.refuse_finished(args.n_steps, "--n_steps")
+    roles, backend = _devices_and_backend(args, device)
+    _say_plan(args, run, roles, backend, device)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    # Data first: a bad dataset or file fails before a minute of model loading.
+    train_rows, eval_rows, eval_name = load_questions(args, run.say)
+    if args.rollout_mode != "tir":  # before the weights load and an engine starts (delethink: one chunk)
+        need, length = context_need(args, max(args.sampling_max_tokens, args.eval_max_tokens))
+        check_context(args.vllm_max_model_len if backend == "vllm" else None, models.load_tokenizer(run.weights),
+                      train_rows + eval_rows, args.prompt, args.chat_template, need, run.weights, length, args.prompt_file)
+    score = make_scorer(args)  # a --reward_fn's worker starts (a bad one is refused) before the weights load
+    m = load_models(args, run, roles, device, backend)
+    reference = ("the policy with its adapters off (no second copy)" if m.reference is m.policy else
+                 f"{run.start_model} on {roles['reference']}" if m.reference is not None else "none (--kl_coef 0)")
+    run.say(f"[train_rl] policy: {lora.describe(m.policy, args)}; KL reference: {reference}")
+    once = {"trainable_params": sum(p.numel() for p in lora.trainable_parameters(m.policy))}  # in the first record
+    push = WeightPush(m.policy)
+    # on a GPU the clock is read once the queued kernels have run, so a phase's time does not land in the next one
+    settle = (lambda: torch.cuda.synchronize(roles["policy"][0])) if roles["policy"][0].startswith("cuda") else (lambda: None)
+    state = run.restore(m.policy, m.optimizer) or {}
+    if m.critic is not None and state:
+        m.critic_optimizer.load_state_dict(state["critic_optimizer"])
+    bad_steps = state.get("bad_steps", 0)
+    generated_tokens = state.get("generated_tokens", 0)  # cumulative: compares runs at equal sampling work
+
+    # a stop during the refill gives the step up (synchronous loop); a batch sampled ahead is finished
+    # (a checkpoint holds it: the resumed run trains on what the uninterrupted one would have)
+    stopping = lambda: not args.async_steps and run.signal > 0  # noqa: E731
+
+    def collect(step: int, drawn: int):  # drawn: the position in the question stream
+        return collect_rollouts(args, step, drawn, train_rows, m.sampler, m.tokenizer, score, stopping)
+    source = RolloutSource(args.async_steps, args.n_steps, collect, lambda: push(m.sampler),
+                           state.get("questions_drawn", 0), state.get("in_flight"))
+
+    def run_eval(step: int):  # greedy, on rank 0; the others join the weight gather and wait
+        _evaluate(args, run, m, source, push, eval_rows, eval_name, step, generated_tokens, score)
+
+    def save(steps: int):  # every rank; the checkpoint after `steps` finished steps
+        critic = {"critic_optimizer": m.critic_optimizer.state_dict()} if m.critic is not None else {}
+        run.save(steps, m.policy, m.tokenizer, m.optimizer,
+                 {"bad_steps": bad_steps, "generated_tokens": generated_tokens, **source.state(), **critic},
+                 submodels={"critic": m.critic} if m.critic is not None else None)
+
+    if args.eval_every and args.eval_before_train and run.start_step == 0:
+        run_eval(0)
+    bar = tqdm(range(run.start_step, args.n_steps), desc="rl", unit="step", initial=run.start_step,
+               total=args.n_steps, disable=not run.main)
+    with run.stop_on_signal():  # the first Ctrl-C or SIGTERM ends the run after this step, saved
+        for step in bar:
+            # 1-3. Sample and score this step's batch, build its experience, update on it.
+            batch, train, times, bad_steps = _one_step(args, run, m, source, push, step, bad_steps, save, settle)
+            if step == run.start_step:
+                _refuse_a_broken_reward(args, score, batch)
+            generated_tokens += int(batch.metrics["sampled_tokens"])
+
+            # 4. Log, write a few full rollouts, evaluate, checkpoint.
+            metrics = {"step": step + 1, **batch.metrics, "generated_tokens": generated_tokens,
+                       "policy_lag": step - batch.policy_version, **train.means(),
+                       **{f"seconds_{k}": v for k, v in times.items()}, **once}
+            once = {}
+            run.log(metrics)
+            run.log_rollouts(step + 1, batch.samples[:args.log_rollouts])
+            run.say(_log_line(metrics, args.n_steps, args.critic_warmup_steps if m.critic is not None else 0))
+            if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.n_steps):
+                run_eval(step + 1)
+            stop = run.stop_requested()  # Ctrl-C or SIGTERM: checkpoint this step, then end
+            if stop or (step + 1) % args.save_every == 0 or step + 1 == args.n_steps:
+                save(step + 1)
+            if stop:
+                run.stopped(step + 1)
+    bar.close()
+    return {"run_dir": str(run.dir), "last_metrics": run.metrics()[-1:]}
+
+
+def _devices_and_backend(args: RLArgs, device: str) -> tuple[dict, str]:
+    """Each model's device (under torchrun all on this rank's) and the sampler's backend, refusing what cannot work."""
     roles = (dict(policy=[device], sample=device, reference=device, eval=device, critic=device) if device else
              models.assign_device_roles(models.available_devices(), args.sample_device, args.reference_model_device,
                                         args.eval_device, args.critic_device))
@@ -127,6 +198,11 @@ def main(args: RLArgs) -> dict:
     if args.async_steps and backend == "hf" and roles["policy"] == [roles["sample"]]:
         raise UserError("--async_steps 1 samples while the policy trains, so the sampler needs weights of its own: "
                         "use --backend vllm, or put the sampler on another device with --sample_device.")
+    return roles, backend
+
+
+def _say_plan(args: RLArgs, run: Run, roles: dict, backend: str, device: str):
+    """The start line (loss, advantages, devices, sampler, precision, microbatches); warnings on biased flags."""
     tokens = microbatch_tokens(args, roles["policy"][0])
     microbatch = f"up to {tokens} tokens" if tokens else f"{args.train_mini_batch_size} rows"
     if tokens and "train_mini_batch_size" in getattr(args, "given_flags", ()):  # (given both: refused at parse)
@@ -146,111 +222,63 @@ def main(args: RLArgs) -> dict:
     if args.sampling_top_p < 1:
         run.say(f"[train_rl] warning: --sampling_top_p {args.sampling_top_p} samples from the nucleus but the loss "
                 f"scores the full softmax at T={args.sampling_temperature}: the policy gradient is biased.")
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    # Data first: a bad dataset or file fails before a minute of model loading.
-    train_rows, eval_rows, eval_name = load_questions(args, run.say)
-    if args.rollout_mode != "tir":  # before the weights load and an engine starts (delethink: one chunk)
-        need, length = context_need(args, max(args.sampling_max_tokens, args.eval_max_tokens))
-        check_context(args.vllm_max_model_len if backend == "vllm" else None, models.load_tokenizer(run.weights),
-                      train_rows + eval_rows, args.prompt, args.chat_template, need, run.weights, length)
-    m = load_models(args, run, roles, device, backend)
-    reference = ("the policy with its adapters off (no second copy)" if m.reference is m.policy else
-                 f"{run.start_model} on {roles['reference']}" if m.reference is not None else "none (--kl_coef 0)")
-    run.say(f"[train_rl] policy: {lora.describe(m.policy, args)}; KL reference: {reference}")
-    once = {"trainable_params": sum(p.numel() for p in lora.trainable_parameters(m.policy))}  # in the first record
-    push = WeightPush(m.policy)
-    # on a GPU the clock is read once the queued kernels have run, so a phase's time does not land in the next one
-    settle = (lambda: torch.cuda.synchronize(roles["policy"][0])) if roles["policy"][0].startswith("cuda") else (lambda: None)
-    state = run.restore(m.policy, m.optimizer) or {}
-    if m.critic is not None and state:
-        m.critic_optimizer.load_state_dict(state["critic_optimizer"])
-    bad_steps, score = state.get("bad_steps", 0), make_scorer(args)
-    generated_tokens = state.get("generated_tokens", 0)  # cumulative: compares runs at equal sampling work
 
-    # a stop during the refill gives the step up (synchronous loop); a batch sampled ahead is finished
-    # (a checkpoint holds it: the resumed run trains on what the uninterrupted one would have)
-    stopping = lambda: not args.async_steps and run.signal > 0  # noqa: E731
 
-    def collect(step: int, drawn: int):  # drawn: the position in the question stream
-        return collect_rollouts(args, step, drawn, train_rows, m.sampler, m.tokenizer, score, stopping)
-    source = RolloutSource(args.async_steps, args.n_steps, collect, lambda: push(m.sampler),
-                           state.get("questions_drawn", 0), state.get("in_flight"))
+def _evaluate(args: RLArgs, run: Run, m: Models, source, push, eval_rows, eval_name: str, step: int, generated_tokens,
+              score):
+    """Greedy evaluation on rank 0, logged; the other ranks join the weight gather and wait."""
+    source.wait()  # the sampler and the grader are the loop's again
+    push(m.eval_sampler)
+    if run.main:
+        budget = args.delethink_budget() if args.rollout_mode == "delethink" else f"up to {args.eval_max_tokens} tokens"
+        run.say(f"eval  {step}/{args.n_steps} | {len(eval_rows)} {eval_name} questions, greedy, {budget} each ...")
+        m.policy.eval()
+        with m.autocast:
+            summary, _ = evaluate(m.eval_sampler, m.tokenizer, eval_rows, args.prompt,
+                                  SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens),
+                                  args.chat_template, args.rollout_mode, args, progress=True, score=score,
+                                  prompt_file=args.prompt_file)
+        run.log({"step": step, "generated_tokens": generated_tokens, **{f"eval_{k}": v for k, v in summary.items()}})
+        run.say(f"eval  {step}/{args.n_steps} | {eval_name} x{summary['count']} | {summary_line(summary)}")
+    distributed.barrier()
 
-    def run_eval(step: int):  # greedy, on rank 0; the others join the weight gather and wait
-        source.wait()  # the sampler and the grader are the loop's again
-        push(m.eval_sampler)
-        if run.main:
-            budget = args.delethink_budget() if args.rollout_mode == "delethink" else f"up to {args.eval_max_tokens} tokens"
-            run.say(f"eval  {step}/{args.n_steps} | {len(eval_rows)} {eval_name} questions, greedy, {budget} each ...")
-            m.policy.eval()
-            with m.autocast:
-                summary, _ = evaluate(m.eval_sampler, m.tokenizer, eval_rows, args.prompt,
-                                      SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens),
-                                      args.chat_template, args.rollout_mode, args, progress=True)
-            run.log({"step": step, "generated_tokens": generated_tokens, **{f"eval_{k}": v for k, v in summary.items()}})
-            run.say(f"eval  {step}/{args.n_steps} | {eval_name} x{summary['count']} | format "
-                    f"{summary['avg_format_rewards']:.3f} | answer {summary['avg_answer_rewards']:.3f} | reward "
-                    f"{summary['avg_all_rewards']:.3f}")
-        distributed.barrier()
 
-    def save(steps: int):  # every rank; the checkpoint after `steps` finished steps
-        critic = {"critic_optimizer": m.critic_optimizer.state_dict()} if m.critic is not None else {}
-        run.save(steps, m.policy, m.tokenizer, m.optimizer,
-                 {"bad_steps": bad_steps, "generated_tokens": generated_tokens, **source.state(), **critic},
-                 submodels={"critic": m.critic} if m.critic is not None else None)
+def _refuse_a_broken_reward(args: RLArgs, score, batch):
+    """A --reward_fn that failed on every sample of the run's first step is a bug, not an odd sample: one line."""
+    reward = getattr(score, "user_reward", None)
+    if reward is not None and batch.metrics["reward_failures"] >= batch.metrics["questions_sampled"] * args.group_size:
+        raise UserError(f"--reward_fn {args.reward_fn} failed on every sample of the first step, e.g. "
+                        f"{reward.errors[-1] if reward.errors else '(on another rank)'}: fix it, then start again.")
 
-    if args.eval_every and args.eval_before_train and run.start_step == 0:
-        run_eval(0)
-    bar = tqdm(range(run.start_step, args.n_steps), desc="rl", unit="step", initial=run.start_step,
-               total=args.n_steps, disable=not run.main)
-    with run.stop_on_signal():  # the first Ctrl-C or SIGTERM ends the run after this step, saved
-        for step in bar:
-            # 1-2. Sample and score groups until the batch holds enough informative ones (one round without
-            # dynamic sampling); one step ahead, this step's batch was sampled while the last step trained.
-            step_start = time.perf_counter()
-            m.policy.eval()
-            with contextlib.nullcontext() if args.async_steps else m.autocast:  # async: the sampler is a copy
-                try:
-                    batch = source.take(step)
-                except SamplingStopped as stopped:  # nothing of this step is kept: save where the last one ended
-                    run.say(f"[run] {stopped}: the step is given up, before any update")
-                    if step > run.start_step:  # else the checkpoint, if any, already holds this state
-                        save(step)
-                    run.stopped(step)
-            times = dict(batch.seconds)  # sample, score (async: in the background; wait and sync in the loop)
-            generated_tokens += int(batch.metrics["sampled_tokens"])
 
-            # 3. Before any update: old/reference log-probs, values and advantages. Then the update.
-            start, train = time.perf_counter(), _Means()
-            if distributed.global_sum(len(batch.traces)):  # every rank joins the update if any kept a group
-                experience = build_experience(args, batch, m.policy, m.reference, m.critic, m.autocast)
-                train.update(experience.metrics)
-                bad_steps = _update(args, m, experience, len(batch.traces) // args.group_size, step, train, push,
-                                    bad_steps, run.checkpoint)
-            settle()
-            times["train"] = time.perf_counter() - start
-            times["sync"] = times.get("sync", 0.0) + source.after_update()
-            settle()
-            times["step"] = time.perf_counter() - step_start  # the step's wall time, evaluation and checkpoint aside
-
-            # 4. Log, write a few full rollouts, evaluate, checkpoint.
-            metrics = {"step": step + 1, **batch.metrics, "generated_tokens": generated_tokens,
-                       "policy_lag": step - batch.policy_version, **train.means(),
-                       **{f"seconds_{k}": v for k, v in times.items()}, **once}
-            once = {}
-            run.log(metrics)
-            run.log_rollouts(step + 1, batch.samples[:args.log_rollouts])
-            run.say(_log_line(metrics, args.n_steps, args.critic_warmup_steps if m.critic is not None else 0))
-            if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.n_steps):
-                run_eval(step + 1)
-            stop = run.stop_requested()  # Ctrl-C or SIGTERM: checkpoint this step, then end
-            if stop or (step + 1) % args.save_every == 0 or step + 1 == args.n_steps:
-                save(step + 1)
-            if stop:
-                run.stopped(step + 1)
-    bar.close()
-    return {"run_dir": str(run.dir), "last_metrics": run.metrics()[-1:]}
+def _one_step(args: RLArgs, run: Run, m: Models, source, push, step: int, bad_steps: int, save, settle) -> tuple:
+    """Sample, build the experience, update: (batch, training numbers, seconds, consecutive skipped steps)."""
+    # 1-2. Sample and score groups until the batch holds enough informative ones (one round without dynamic
+    # sampling); one step ahead, this step's batch was sampled while the last step trained.
+    step_start = time.perf_counter()
+    m.policy.eval()
+    with contextlib.nullcontext() if args.async_steps else m.autocast:  # async: the sampler is a copy
+        try:
+            batch = source.take(step)
+        except SamplingStopped as stopped:  # nothing of this step is kept: save where the last one ended
+            run.say(f"[run] {stopped}: the step is given up, before any update")
+            if step > run.start_step:  # else the checkpoint, if any, already holds this state
+                save(step)
+            run.stopped(step)
+    times = dict(batch.seconds)  # sample, score (async: in the background; wait and sync in the loop)
+    # 3. Before any update: old/reference log-probs, values and advantages. Then the update.
+    start, train = time.perf_counter(), _Means()
+    if distributed.global_sum(len(batch.traces)):  # every rank joins the update if any kept a group
+        experience = build_experience(args, batch, m.policy, m.reference, m.critic, m.autocast)
+        train.update(experience.metrics)
+        bad_steps = _update(args, m, experience, len(batch.traces) // args.group_size, step, train, push,
+                            bad_steps, run.checkpoint)
+    settle()
+    times["train"] = time.perf_counter() - start
+    times["sync"] = times.get("sync", 0.0) + source.after_update()
+    settle()
+    times["step"] = time.perf_counter() - step_start  # the step's wall time, evaluation and checkpoint aside
+    return batch, train, times, bad_steps
 
 
 def _refuse_under_torchrun(args: RLArgs, device: str):
@@ -492,7 +520,8 @@ def _clip_and_step(model, optimizer, max_grad_norm: float, train: _Means, name: 
 def _log_line(m: dict, n_steps: int, critic_warmup_steps: int = 0) -> str:
     seconds = " ".join(f"{k[8:]} {v:.1f}s" for k, v in m.items() if k.startswith("seconds_"))
     head = (f"step {m['step']}/{n_steps} | reward {m['reward']:.3f} | fmt {m['format_reward']:.2f} | "
-            f"ans {m['answer_reward']:.2f} | len {m['response_tokens']:.0f} | ")
+            f"ans {m['answer_reward']:.2f} | len {m['response_tokens']:.0f} | "
+            + (f"reward failures {m['reward_failures']:.0f} | " if m.get("reward_failures") else ""))
     if "loss" not in m:  # the policy's weights did not change: say why
         if m["step"] <= critic_warmup_steps:  # the critic trained, the policy waits
             why = f"critic warm-up, step {m['step']} of {critic_warmup_steps} (--critic_warmup_steps)"

@@ -621,7 +621,7 @@ def test_a_stop_during_the_refill_gives_the_step_up_and_the_resumed_run_takes_th
     import signal
     # a group is right half the time where its question's answer is even, else never (filtered out): whether a
     # step needs a second round depends only on the questions drawn, the same after a resume
-    right = lambda row, truth: int(truth) % 2 == 0 and row.trace_id % 4 < 2  # noqa: E731
+    right = lambda row, question: int(question["answer"]) % 2 == 0 and row.trace_id % 4 < 2  # noqa: E731
     scores = {"n": 0, "stop_at": None}
 
     def reward(row, truth):

@@ -1,0 +1,185 @@
+"""A reward of your own: `--reward_fn path/to/file.py:name` or `--reward_fn package.module:name`.
+
+    def name(response: str, ground_truth: str, **columns) -> float | dict
+
+`columns` are the question's row, every column but the answer one, by name (a file's own columns; `question`
+for the built-in sets). It returns a float, or a dict with `reward` and optionally `format_reward` and
+`answer_reward` (evaluate's three metrics; one it does not return is reported as absent, not as zero).
+
+It runs as the built-in grader's slow checks do (alignment/grading_worker.py): in a worker process that imports
+the file once and forks a child per call, killed at `--reward_timeout`. A call that passes its time, raises,
+or returns something that is not a finite number scores that sample 0 and is counted (`reward_failed`); it
+never stops or hangs the run. The same function scores training and evaluation; its file's sha256 goes into
+the run's config, so a resume after the file changed is refused unless asked for.
+
+The parent side is stdlib only; this file doubles as the worker's script.
+"""
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from alignment.errors import UserError
+
+START_TIMEOUT_S = 60.0  # the worker imports the user's file once; a loaded machine can be slow
+KEYS = ("format_reward", "answer_reward")  # the optional parts of a reward dict
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    """`file.py:name` or `module:name` -> (file or module, name), refused in one line when malformed."""
+    where, colon, name = spec.rpartition(":")
+    if not colon or not where or not name.isidentifier():
+        raise UserError(f"--reward_fn {spec}: write path/to/file.py:function_name or package.module:function_name.")
+    if where.endswith(".py") and not Path(where).is_file():
+        raise UserError(f"--reward_fn {spec}: {where} does not exist; check the path.")
+    return where, name
+
+
+def source_hash(spec: str) -> str:
+    """The sha256 of the reward's source file (a module's, found without importing it)."""
+    where, _ = split_spec(spec)
+    path = where if where.endswith(".py") else getattr(importlib.util.find_spec(where), "origin", None)
+    if not path or not Path(path).is_file():
+        raise UserError(f"--reward_fn {spec}: no module {where} is importable here; give a file path instead.")
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class UserReward:
+    """`reward(response, ground_truth, columns) -> {reward, format_reward, answer_reward, reward_failed}` (the
+    optional parts NaN when the function does not return them), and `errors`: each failure's line, in order."""
+
+    def __init__(self, spec: str, timeout: float):
+        self.spec, self.timeout, self.errors = spec, timeout, []
+        split_spec(spec)
+        self.sha256 = source_hash(spec)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p),
+                   ALIGNMENT_REWARD_TIMEOUT=str(timeout))
+        self.proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), spec], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, bufsize=0)
+        self.buffer = b""
+        ready = self._reply(time.monotonic() + START_TIMEOUT_S)
+        if not ready or "error" in ready:
+            self.close()
+            why = ready["error"] if ready else f"the worker did not start in {START_TIMEOUT_S:.0f} s"
+            raise UserError(f"--reward_fn {spec}: {why}.")
+
+    def __call__(self, response: str, ground_truth: str, columns: dict) -> dict:
+        request = json.dumps({"response": response, "ground_truth": ground_truth, "columns": columns},
+                             default=str) + "\n"
+        try:
+            self.proc.stdin.write(request.encode())
+            reply = self._reply(time.monotonic() + self.timeout + 5.0)  # the worker answers by the timeout itself
+        except (BrokenPipeError, OSError):
+            reply = None
+        if reply is None:  # the worker itself is gone or stuck (it never should be): a failure, and a new worker
+            self.close()
+            self.__init__(self.spec, self.timeout)
+            reply = {"error": "the reward worker stopped answering"}
+        if "error" in reply:
+            self.errors.append(reply["error"])
+            return {"reward": 0.0, **{key: math.nan for key in KEYS}, "reward_failed": 1.0}
+        return {"reward": reply["reward"], **{key: reply.get(key, math.nan) for key in KEYS}, "reward_failed": 0.0}
+
+    def _reply(self, deadline: float) -> dict | None:
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Worker side: everything below runs only in the worker process.
+
+def _load(spec: str):
+    where, name = spec.rpartition(":")[::2]
+    if where.endswith(".py"):
+        loaded = importlib.util.spec_from_file_location(Path(where).stem, where)
+        module = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise AttributeError(f"{where} has no function {name}")
+    return function
+
+
+def _checked(value) -> dict:
+    """A float, or {reward, format_reward?, answer_reward?}, as finite numbers; anything else is nonsense."""
+    def number(v, what):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise TypeError(f"{what} is {json.dumps(v, default=repr)[:60]}, not a finite number")
+        return float(v)
+    if not isinstance(value, dict):
+        return {"reward": number(value, "the return value")}
+    unknown = set(value) - {"reward", *KEYS}
+    if "reward" not in value or unknown:
+        raise TypeError(f"it returned a dict with keys {sorted(value)}; give reward and optionally {', '.join(KEYS)}")
+    return {key: number(value[key], key) for key in ("reward", *KEYS) if key in value}
+
+
+def _serve(spec: str):
+    replies = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's own copy of stdout
+    os.dup2(2, 1)  # what the user's code prints goes to stderr, never into the replies
+    try:
+        function = _load(spec)
+    except Exception as e:  # the user's file: any error is theirs to see, in one line
+        print(json.dumps({"error": f"cannot load it ({type(e).__name__}: {e})"}), file=replies)
+        return
+    print(json.dumps({"ready": True}), file=replies)
+    for line in sys.stdin:
+        request = json.loads(line)
+        read_fd, write_fd = os.pipe()
+        child = os.fork()
+        if child == 0:  # one call, in its own process: a hang or a crash takes only it
+            os.close(read_fd)
+            try:
+                result = _checked(function(request["response"], request["ground_truth"], **request["columns"]))
+            except Exception as e:
+                result = {"error": f"{type(e).__name__}: {e}"[:300]}
+            os.write(write_fd, json.dumps(result).encode())
+            os._exit(0)
+        os.close(write_fd)
+        limit, answer = float(os.environ.get("ALIGNMENT_REWARD_TIMEOUT", "10")), b""
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_fd], [], [], left)[0]:
+                os.kill(child, signal.SIGKILL)
+                answer = json.dumps({"error": f"it took more than {limit:g} s (--reward_timeout)"}).encode()
+                break
+            chunk = os.read(read_fd, 65536)
+            if not chunk:
+                break
+            answer += chunk
+        os.close(read_fd)
+        os.waitpid(child, 0)
+        print((answer or b'{"error": "it ended its process without an answer"}').decode(), file=replies)
+
+
+if __name__ == "__main__":
+    try:
+        _serve(sys.argv[1])
+    except BrokenPipeError:  # the parent exited
+        sys.exit(0)
