@@ -30,7 +30,7 @@ def arg(default, help: str, choices: tuple | None = None, group: str | None = No
 # here is listed under the first line of its dataclass's docstring (the rollout modes, for instance).
 GROUPS = {
     "model and data": ("model", "dataset", "eval_dataset", "split", "data_dir", "rg_size", "worked_style", "train_file",
-                       "question_key", "answer_key", "max_examples", "max_response_tokens", "limit", "prompt",
+                       "question_key", "answer_key", "prompt_key", "response_key", "max_examples", "max_response_tokens", "limit", "prompt",
                        "prompt_file", "chat_template", "reward_fn", "reward_timeout", "accept_changed_reward", "seed"),
     "sampling": ("n_samples", "temperature", "top_p", "max_tokens", "group_size", "rollout_batch_size",
                  "sampling_temperature", "sampling_top_p", "sampling_max_tokens", "sampling_min_tokens", "filter_low",
@@ -689,7 +689,9 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
 
     model: str = arg("smollm2-135m", "policy to fine-tune: hub id, local HF folder or smollm2-135m (packaged, offline)")
     dataset: str = arg("gsm8k", "training examples in the r1_zero format: gsm8k (its train split's reference solutions) or rg:<task> (worked solutions written step by step for reasoning-gym's basic_arithmetic, chain_sum or products, or the project's rg:repeated_addition and rg:add_until, alignment/worked.py; in the tir format with --worked_style tool); questions of the evaluation set are left out")
-    train_file: str | None = arg(None, "JSONL of {prompt, response} pairs, instead of --dataset")
+    train_file: str | None = arg(None, "your own {prompt, response} pairs, instead of --dataset: a .jsonl, .json, .parquet or .csv file or a folder saved by `datasets`")
+    prompt_key: str = arg("prompt", "the column of --train_file that holds the prompt")
+    response_key: str = arg("response", "the column of --train_file that holds the response")
     data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
     rg_size: int = arg(2000, "problems generated for an rg: dataset")
     worked_style: str = arg("chain", "how an rg: task's worked solutions are written: chain (`8 - 2 = 6. 6 + 7 = 13.`), rewrite (`8 - 2 + 7 = 6 + 7 = 13.`, the expression again after each operation), places (chain, with a product by a number of several digits written out by place values: `15 * 43 = 15 * 40 + 15 * 3. ...`) tool (a Python block, its output, `\\boxed{}`: the tir prompt, evaluated with --rollout_mode tir) or counted (chain, each step opened by the position of the term it adds: `#2 8 + 2 = 10. #3 10 + 7 = 17.`)", ("chain", "rewrite", "places", "tool", "counted"))
@@ -718,7 +720,8 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
             "eval_every", "eval_dataset", "eval_max_tokens", "eval_batch_size", "backend", "hf_decoding",
             "gpu_memory_utilization", "kv_cache_gib", "vllm_enforce_eager", "vllm_max_model_len") if not self.eval_limit}
         own_file = {name: "with --train_file (its examples are the training data)" for name in ("dataset", "rg_size", "worked_style")
-                    if self.train_file}
+                    if self.train_file} | {name: "without --train_file" for name in ("prompt_key", "response_key")
+                                           if not self.train_file}
         rows = {} if self.delethink_chunk_size else {"delethink_carryover": "without --delethink_chunk_size"}
         generated = {} if self.dataset.startswith("rg:") else {name: f"with --dataset {self.dataset}"
                                                                for name in ("rg_size", "worked_style")}

@@ -254,17 +254,31 @@ def load_file(path: str, split: str, question_key: str = "question", answer_key:
     return [row for row in out if held_out(row["question"]) == (split == "test")]
 
 
-def _read_table(path: Path, split: str) -> tuple[list[dict], bool]:
+def load_pairs(path: str, prompt_key: str = "prompt", response_key: str = "response") -> list[dict]:
+    """SFT's --train_file: {prompt, response} rows from the named columns of any file load_file reads."""
+    if path.endswith(".jsonl"):  # every line checked, with its number
+        rows = read_jsonl(Path(path), (prompt_key, response_key), all_empty_ok=False)
+    else:
+        rows = _read_table(Path(path), "all", "--train_file")[0]
+        bad = next((n for n, row in enumerate(rows, 1) if not all(isinstance(row.get(key), str)
+                                                                    for key in (prompt_key, response_key))), None)
+        if bad or not rows:
+            raise UserError(f"--train_file {path}: " + (f"row {bad} lacks a text {prompt_key} or {response_key} (name "
+                            f"the columns with --prompt_key and --response_key)" if bad else "holds no rows") + ".")
+    return [{"prompt": row[prompt_key], "response": row[response_key]} for row in rows]
+
+
+def _read_table(path: Path, split: str, flag: str = "--dataset") -> tuple[list[dict], bool]:
     """The file's rows, and whether they are the `split` the file itself names (a `datasets` folder's)."""
     if not path.exists():
-        raise MissingFileError(f"--dataset {path} does not exist; check the path.")
+        raise MissingFileError(f"{flag} {path} does not exist; check the path.")
     try:
         if path.is_dir():  # a folder `datasets` saved (save_to_disk): one dataset, or several splits
             import datasets
             saved = datasets.load_from_disk(str(path))
             if isinstance(saved, datasets.DatasetDict):
                 if split not in saved:
-                    raise UserError(f"--dataset {path} has the splits {', '.join(saved)}, not {split}; save a {split} "
+                    raise UserError(f"{flag} {path} has the splits {', '.join(saved)}, not {split}; save a {split} "
                                     f"split, or save one dataset (its test split is then held out by question).")
                 return saved[split].to_list(), True
             return saved.to_list(), False
@@ -273,7 +287,7 @@ def _read_table(path: Path, split: str) -> tuple[list[dict], bool]:
         if path.suffix == ".json":
             rows = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
-                raise UserError(f"--dataset {path} must hold a JSON list of objects, one per question.")
+                raise UserError(f"{flag} {path} must hold a JSON list of objects, one per question.")
             return rows, False
         if path.suffix == ".parquet":
             import pyarrow.parquet
@@ -285,8 +299,8 @@ def _read_table(path: Path, split: str) -> tuple[list[dict], bool]:
     except (OSError, ValueError) as e:  # a damaged parquet or folder, bad JSON, bytes that are not UTF-8
         if isinstance(e, UserError):
             raise
-        raise UserError(f"--dataset {path} cannot be read ({type(e).__name__}: {str(e)[:200]}); fix the file.") from None
-    raise UserError(f"--dataset {path}: give a {', '.join(FILE_KINDS)} file or a folder saved by `datasets`.")
+        raise UserError(f"{flag} {path} cannot be read ({type(e).__name__}: {str(e)[:200]}); fix the file.") from None
+    raise UserError(f"{flag} {path}: give a {', '.join(FILE_KINDS)} file or a folder saved by `datasets`.")
 
 
 def load_dataset(name: str, split: str = "test", data_dir: str | None = None, size: int = 2000,

@@ -69,7 +69,7 @@ def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = (),
         if not Path(args.train_file).exists():
             raise MissingFileError(f"--train_file {args.train_file} does not exist; pass a JSONL of "
                                     f"{{\"prompt\", \"response\"}} objects.")
-        examples = data.read_jsonl(Path(args.train_file), ("prompt", "response"), all_empty_ok=False)
+        examples = data.load_pairs(args.train_file, args.prompt_key, args.response_key)
     elif args.dataset == "gsm8k":
         examples = [gsm8k_sft_example(row, template) for row in data.load_gsm8k("train", args.data_dir)]
     elif args.dataset.startswith("rg:"):

@@ -210,3 +210,19 @@ def test_the_example_evaluates_trains_and_plots_on_a_tiny_model(tiny_model_dir, 
                                        "4", "--eval_every", "1", "--eval_limit", "4", "--precision", "fp32",
                                        "--output_dir", str(tmp_path / "rl"), *own]))
     assert plot.plot([tmp_path / "rl"]).exists()
+
+
+def test_sft_reads_the_same_formats_with_its_own_column_names(tmp_path, capsys):
+    import pyarrow
+    import pyarrow.parquet
+    from alignment.args import SFTArgs
+    pairs = [{"q": f"Q{i}", "a": f" A{i} </answer>", "extra": i} for i in range(8)]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(pairs), tmp_path / "pairs.parquet")
+    (tmp_path / "pairs.csv").write_text("q,a\n" + "".join(f"{p['q']},{p['a']}\n" for p in pairs))
+    for name in ("pairs.parquet", "pairs.csv"):
+        assert data.load_pairs(str(tmp_path / name), "q", "a")[3] == {"prompt": "Q3", "response": " A3 </answer>"}
+    with pytest.raises(UserError, match="row 1 lacks a text prompt or response .*--prompt_key and --response_key"):
+        data.load_pairs(str(tmp_path / "pairs.parquet"))
+    with pytest.raises(SystemExit):
+        parse(SFTArgs, ["--prompt_key", "q"])
+    assert "--prompt_key q has no effect without --train_file" in capsys.readouterr().err
