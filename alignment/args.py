@@ -694,7 +694,7 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     response_key: str = arg("response", "the column of --train_file that holds the response")
     data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
     rg_size: int = arg(2000, "problems generated for an rg: dataset")
-    worked_style: str = arg("chain", "how an rg: task's worked solutions are written: chain (`8 - 2 = 6. 6 + 7 = 13.`), rewrite (`8 - 2 + 7 = 6 + 7 = 13.`, the expression again after each operation), places (chain, with a product by a number of several digits written out by place values: `15 * 43 = 15 * 40 + 15 * 3. ...`) tool (a Python block, its output, `\\boxed{}`: the tir prompt, evaluated with --rollout_mode tir) or counted (chain, each step opened by the position of the term it adds: `#2 8 + 2 = 10. #3 10 + 7 = 17.`)", ("chain", "rewrite", "places", "tool", "counted"))
+    worked_style: str = arg("chain", "how an rg: task's worked solutions are written: chain (`8 - 2 = 6. 6 + 7 = 13.`), rewrite (`8 - 2 + 7 = 6 + 7 = 13.`, the expression again after each operation), places (chain, with a product by a number of several digits written out by place values: `15 * 43 = 15 * 40 + 15 * 3. ...`) tool (a Python block, its output, `\\boxed{}`: the tir prompt, evaluated with --rollout_mode tir) or counted (chain, each step opened by the position of the term it adds: `#2 8 + 2 = 10. #3 10 + 7 = 17.`). For gsm8k: chain (the default) is the reference solution with its calculator annotations removed, r1_zero format; tool turns each annotation into a Python block whose output the sandbox prints (loss 0 on it) before the line that uses it, ending in `\\boxed{}`, under the tir prompt, evaluated with --rollout_mode tir (alignment/calculator.py)", ("chain", "rewrite", "places", "tool", "counted"))
     max_examples: int = arg(320, "train on the first N examples (0: all); 320 fits ~20 min on 2 CPU cores")
     delethink_chunk_size: int | None = arg(None, "also train on the rows --rollout_mode delethink (keep_head 0) cuts each example's solution into: after chunk 1's C tokens and every C - m after it, the prompt plus the m tokens before the cut, then the rest of the solution; teaches a model to go on from a carryover (default: off)")
     delethink_carryover: int | None = arg(None, "with --delethink_chunk_size: tokens carried into the next chunk (m; default C/2)")
@@ -725,6 +725,10 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
         rows = {} if self.delethink_chunk_size else {"delethink_carryover": "without --delethink_chunk_size"}
         generated = {} if self.dataset.startswith("rg:") else {name: f"with --dataset {self.dataset}"
                                                                for name in ("rg_size", "worked_style")}
+        if self.dataset == "gsm8k":  # two styles: its text (chain) and its calculator calls as Python (tool)
+            generated["worked_style"] += " (its styles: chain, the text, or tool)"
+            if self.worked_style in ("chain", "tool"):
+                del generated["worked_style"]
         return {**generated, **no_eval, **own_file, **rows}
 
     def check_worked_task(self):

@@ -4,6 +4,7 @@
     uv run -m alignment.sft --max_examples 0 --epochs 2 --lr 2e-5 --eval_every 100   # full GSM8K train, GPU
     uv run -m alignment.sft --train_file traces.jsonl          # your own {"prompt", "response"} pairs
     uv run -m alignment.sft --dataset rg:chain_sum:min_terms=2,max_terms=3   # worked solutions, step by step
+    uv run -m alignment.sft --worked_style tool                # GSM8K's calculator steps as Python calls (tir)
     uv run -m alignment.sft --resume checkpoints/math_sft      # continue a run after a crash (same flags)
 
 Each example is prompt = the r1_zero template filled with the question, response = the GSM8K worked
@@ -13,7 +14,10 @@ minus the summed log-prob of the response tokens per example, averaged over the 
 `--dataset rg:<task>` the response is a worked solution written here, one operation per sentence
 (`12 + 34 = 46. 46 - 57 = -11.`, alignment/worked.py), for reasoning-gym's arithmetic tasks; with
 `--worked_style tool` it is a Python block, its output and `\\boxed{}` under the tir prompt, and the run's
-evaluations execute the model's code in the sandbox (`--rollout_mode tir`, one call). With
+evaluations execute the model's code in the sandbox (`--rollout_mode tir`, one call). GSM8K with `--worked_style
+tool` turns each calculator annotation into such a call (alignment/calculator.py: the block before the line that
+uses the result, the sandbox's output forced in), trained with loss 0 on the output the model does not write and
+evaluated with as many calls as a solution makes at most (9). With
 `--delethink_chunk_size C` each solution also gives the rows Delethink would cut it into (the prompt, the
 m-token carryover before a chunk boundary, the rest): a model fine-tuned on full solutions alone does not
 know how to go on from a carryover (issue 63: 0.26 in Delethink chunks against 0.63 in one chain).
@@ -25,14 +29,13 @@ CPU defaults use a higher learning rate and few steps so a laptop sees the forma
 
 import math
 import random
-import re
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from alignment import allocator, data, distributed, lora, models
+from alignment import allocator, calculator, data, distributed, lora, models
 from alignment.args import RolloutArgs, SFTArgs, delethink_carryover, parse
 from alignment.errors import MissingFileError, UserError, cli
 from alignment.evaluate import _model_context, check_context, evaluate
@@ -40,10 +43,10 @@ from alignment.grpo import sft_microbatch_train_step
 from alignment.run import Run
 from alignment.samplers import make_sampler, pick_backend
 from alignment.sampling import SamplingParams, WeightPush
-from alignment.tokens import get_response_log_probs, tokenize_prompt_and_output
+from alignment.tokens import get_response_log_probs, tokenize_prompt_and_segments
 from alignment.worked import worked_solution
 
-CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")  # GSM8K's `<<48/2=24>>`
+CALCULATOR_ANNOTATION = calculator.ANNOTATION  # GSM8K's `<<48/2=24>>`
 RESUMABLE_CHANGES = {"epochs"}  # flags a resumed run may change, besides the run folder's own (run.py)
 
 
@@ -52,6 +55,18 @@ def gsm8k_sft_example(row: dict, template: str) -> dict:
     reasoning = CALCULATOR_ANNOTATION.sub("", row["solution"].split("####")[0]).strip()
     return {"prompt": data.format_prompt(template, row["question"]),
             "response": f" {reasoning} </think> <answer> {row['answer']} </answer>"}
+
+
+def gsm8k_tool_examples(rows: list[dict], template: str, log=print) -> list[dict]:
+    """GSM8K train in the tool style (alignment/calculator.py): {prompt, response, segments}, the response's
+    (text, trained) segments giving the tool's output loss 0; the solutions the converter drops are counted by
+    reason in one line."""
+    kept, dropped = calculator.convert(rows)
+    counts = ", ".join(f"{len(items)} {reason}" for reason, items in dropped.items() if items)
+    log(f"[sft] GSM8K in the tool style: {len(kept)} of {len(rows)} solutions"
+        f"{f' (dropped: {counts}; see `uv run -m alignment.calculator --check`)' if counts else ''}")
+    return [{"prompt": data.format_prompt(template, row["question"]), "response": "".join(t for t, _ in segments),
+             "segments": segments} for row, segments in kept]
 
 
 def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = (), context: int | None = None,
@@ -71,7 +86,9 @@ def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = (),
                                     f"{{\"prompt\", \"response\"}} objects.")
         examples = data.load_pairs(args.train_file, args.prompt_key, args.response_key)
     elif args.dataset == "gsm8k":
-        examples = [gsm8k_sft_example(row, template) for row in data.load_gsm8k("train", args.data_dir)]
+        rows = data.load_gsm8k("train", args.data_dir)
+        examples = gsm8k_tool_examples(rows, template, log) if args.worked_style == "tool" else \
+            [gsm8k_sft_example(row, template) for row in rows]
     elif args.dataset.startswith("rg:"):
         held_out = {row["question"] for row in eval_rows}
         rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
@@ -95,8 +112,7 @@ def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = (),
     limit = args.max_response_tokens if args.max_response_tokens is not None else (100 if args.dataset == "gsm8k"
                                                                                    and not args.train_file else 0)
     if limit:
-        lengths = [len(ids) for ids in tokenizer([e["response"] for e in examples], add_special_tokens=False).input_ids]
-        examples = [e for e, n in zip(examples, lengths) if n <= limit]
+        examples = [e for e, n in zip(examples, response_lengths(examples, tokenizer)) if n <= limit]
     examples = examples[:args.max_examples] if args.max_examples else examples
     if args.delethink_chunk_size:
         rows = delethink_rows(examples, tokenizer, args.delethink_chunk_size, delethink_carryover(args))
@@ -104,6 +120,19 @@ def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = (),
             f"m {delethink_carryover(args)})")
         examples = examples + rows
     return examples
+
+
+def response_segments(example: dict) -> list[tuple[str, bool]]:
+    """An example's response as the (text, trained) segments SFT tokenizes one by one: its own (a tool-style
+    GSM8K solution, whose tool output takes no loss), else the whole response, trained."""
+    return example.get("segments") or [(example["response"], True)]
+
+
+def response_lengths(examples: list[dict], tokenizer) -> list[int]:
+    """Each example's response tokens as SFT tokenizes them (segment by segment), without the EOS."""
+    texts = [[text for text, _ in response_segments(e)] for e in examples]
+    ids = iter(tokenizer([t for row in texts for t in row], add_special_tokens=False).input_ids if examples else [])
+    return [sum(len(next(ids)) for _ in row) for row in texts]
 
 
 def delethink_rows(examples: list[dict], tokenizer, chunk_size: int, carryover: int) -> list[dict]:
@@ -140,7 +169,13 @@ def _fits_context(tokenizer, context: int):
 def prompt_name(args: SFTArgs) -> str:
     """The prompt SFT trains and evaluates with: tir for `--worked_style tool` (its solutions call Python, and
     its evaluation runs them in the sandbox, `--rollout_mode tir`), else r1_zero."""
-    return "tir" if args.worked_style == "tool" and args.dataset.startswith("rg:") and not args.train_file else "r1_zero"
+    return "tir" if args.worked_style == "tool" and not args.train_file else "r1_zero"
+
+
+def eval_tool_calls(args: SFTArgs) -> int:
+    """The evaluation's --max_tool_calls: as many calls as a training solution makes at most (GSM8K's tool
+    style: one per calculator annotation, up to calculator.MAX_TOOL_CALLS; an rg: task's: one)."""
+    return calculator.MAX_TOOL_CALLS if args.dataset == "gsm8k" and prompt_name(args) == "tir" else 1
 
 
 def load_eval_rows(args: SFTArgs) -> list[dict]:
@@ -178,13 +213,14 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 def run_eval(model, sampler, tokenizer, rows, args: SFTArgs, autocast) -> tuple[dict, list[dict]]:
     """Greedy evaluation with `sampler` (the policy itself, or a copy already given its weights): r1_zero, or
-    with `--worked_style tool` the tir prompt and rollout mode (its code run in the sandbox, one call)."""
+    with `--worked_style tool` the tir prompt and rollout mode (its code run in the sandbox, `eval_tool_calls`)."""
     model.eval()
     params = SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens, seed=args.seed)
     mode = "tir" if prompt_name(args) == "tir" else "standard"
     with autocast:
         summary, records = evaluate(sampler, tokenizer, rows, prompt_name(args), params, rollout_mode=mode,
-                                    mode_args=RolloutArgs(rollout_mode=mode), progress=True)
+                                    mode_args=RolloutArgs(rollout_mode=mode, max_tool_calls=eval_tool_calls(args)),
+                                    progress=True)
     model.train()
     return summary, records
 
@@ -346,13 +382,15 @@ def accumulate_gradients(model, tokenizer, examples: list[dict], microbatch_size
                          device: str, autocast) -> list[float]:
     """Forward (under `autocast`) and backward over `examples` in `accumulation` microbatches of at most
     `microbatch_size` (`sft_microbatch_train_step`, gradients accumulate; each example weighs 1 / len(examples),
-    also when the last microbatch is short); returns [summed negative log-likelihood, response tokens, all
-    tokens]."""
+    also when the last microbatch is short; an example with `segments` trains only on its trained ones); returns
+    [summed negative log-likelihood, response tokens, all tokens]."""
     nll, n_response_tokens, n_tokens = 0.0, 0, 0
     for i in range(0, len(examples), microbatch_size):
         micro = examples[i:i + microbatch_size]
-        tokens = tokenize_prompt_and_output([e["prompt"] for e in micro],
-                                            [e["response"] + tokenizer.eos_token for e in micro], tokenizer)
+        pieces = [response_segments(e) for e in micro]  # EOS closes the last (trained) segment: it learns to stop
+        tokens = tokenize_prompt_and_segments([e["prompt"] for e in micro],
+                                              [p[:-1] + [(p[-1][0] + tokenizer.eos_token, p[-1][1])] for p in pieces],
+                                              tokenizer)
         input_ids, labels = tokens["input_ids"].to(device), tokens["labels"].to(device)
         mask = tokens["response_mask"].to(device)
         with autocast:

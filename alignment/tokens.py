@@ -1,8 +1,9 @@
 """Token-level helpers shared by the SFT and RL scripts: everything that sees a tokenizer or logits.
 
-`tokenize_prompt_and_output` builds (input_ids, labels, response_mask); `get_response_log_probs` runs
-the model and returns the log-prob of each label (and optionally the entropy of each next-token
-distribution). Everything after log-probs is pure maths in `alignment/grpo.py`.
+`tokenize_prompt_and_output` builds (input_ids, labels, response_mask) (`tokenize_prompt_and_segments` for a
+response whose tool output takes no loss); `get_response_log_probs` runs the model and returns the log-prob of
+each label (and optionally the entropy of each next-token distribution). Everything after log-probs is pure
+maths in `alignment/grpo.py`.
 
 Memory: the logits (B, T, V) are by far the largest tensor in a step (V = 49,152 for SmolLM2, 151,936
 for Qwen). The helpers here never build a second tensor of that size: log-probs are a gather minus a
@@ -39,15 +40,37 @@ def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str],
     (B, L - 1) int64."""
     if len(prompt_strs) != len(output_strs):
         raise ValueError(f"got {len(prompt_strs)} prompts but {len(output_strs)} outputs")
+    return tokenize_prompt_and_segments(prompt_strs, [[(output, True)] for output in output_strs], tokenizer)
+
+
+def tokenize_prompt_and_segments(prompt_strs: list[str], segment_lists: list[list[tuple[str, bool]]],
+                                 tokenizer) -> dict[str, torch.Tensor]:
+    """`tokenize_prompt_and_output` for outputs written as (text, trained) segments: each segment is tokenized
+    on its own and the ids concatenated, as the TIR rollout appends a tool's output (tokenized on its own) to
+    the ids the model sampled, so SFT on a tool-using solution sees the ids a rollout of it would hold.
+    `response_mask` is 1 only on the tokens of trained segments: the tool's output, which the model never
+    writes, gets loss 0 (alignment/tir.py's loss mask)."""
+    if len(prompt_strs) != len(segment_lists):
+        raise ValueError(f"got {len(prompt_strs)} prompts but {len(segment_lists)} outputs")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
-    outputs = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
+    texts = [text for segments in segment_lists for text, _ in segments]
+    pieces = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    outputs, trained = [], []  # per row: the output's ids, and 1/0 per id
+    for segments in segment_lists:
+        ids, mask = [], []
+        for _, train in segments:
+            piece = next(pieces)
+            ids += piece
+            mask += [int(train)] * len(piece)
+        outputs.append(ids)
+        trained.append(mask)
     length = max(len(p) + len(o) for p, o in zip(prompts, outputs))
     ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)  # (B, L)
     is_output = torch.zeros((len(prompts), length), dtype=torch.long)  # (B, L)
-    for row, (prompt, output) in enumerate(zip(prompts, outputs)):
+    for row, (prompt, output, mask) in enumerate(zip(prompts, outputs, trained)):
         ids[row, :len(prompt) + len(output)] = torch.tensor(prompt + output, dtype=torch.long)
-        is_output[row, len(prompt):len(prompt) + len(output)] = 1
+        is_output[row, len(prompt):len(prompt) + len(output)] = torch.tensor(mask, dtype=torch.long)
     return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "response_mask": is_output[:, 1:]}
 
 

