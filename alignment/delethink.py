@@ -29,8 +29,11 @@ Rules chosen here (and where they depart from the paper or the reference code):
   concatenation of per-chunk texts: a chunk boundary can split a multi-byte character, which per-chunk
   decoding would turn into two replacement characters. When a stop string ended the trace, the text
   ends with it, as the samplers do.
-- A stop string split across a chunk boundary is not seen (each chunk's sampler checks only its own
-  tokens); with C in the thousands this is rare and only lengthens that trace.
+- A stop string split across a chunk boundary (`</` | `answer>`) ends the trace where it is completed: each
+  chunk's sampler checks only its own tokens, so after every later chunk the end of the tokens before it and
+  the chunk's first tokens are decoded together, and a stop string begun before the boundary cuts the chunk
+  after the token that completes it (finish "stop", as a sampler ends at a stop string). Without this the trace
+  ran on past its `</answer>` to EOS or its last chunk.
 
 Rows: every chunk is a training row (prompt = that chunk's input, response = its output, loss mask all
 1: the carryover lives in the prompt, so no row ever trains on tokens it did not sample). Rows are
@@ -93,7 +96,8 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
             params, n=1, max_tokens=budget, min_tokens=min(max(params.min_tokens - produced, 0), budget), seed=seed),
             keys=running)  # each trace keeps its own random stream: same contexts still differ
         for t, context, completions in zip(running, contexts, outputs):
-            chunks[t].append((context, completions[0]))
+            chunks[t].append((context, _stop_across_boundary(tokenizer, _response(chunks[t]), completions[0],
+                                                             params.stop)))
 
     rollouts = []
     for trace_id, trace in enumerate(chunks):
@@ -110,6 +114,27 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
                                     stats={"chunk": index, "chunks": len(trace),
                                            "trace_response_tokens": len(response)}))
     return rollouts
+
+
+def _stop_across_boundary(tokenizer, before: list[int], completion: Completion, stops) -> Completion:
+    """`completion` (a later chunk, after the response tokens `before`) cut after the token that completes a stop
+    string begun before the boundary, with finish "stop"; else unchanged. A stop string of s characters crosses
+    the boundary with at most s - 1 characters on each side, so s tokens of each side (a token holds at least
+    one character) are all that is decoded."""
+    longest = max(map(len, stops), default=0)
+    if not longest or not before:
+        return completion
+    tail = before[-longest:]
+    seen = tokenizer.decode(tail, skip_special_tokens=True)
+    for k in range(1, min(longest, len(completion.token_ids)) + 1):
+        text = tokenizer.decode(tail + list(completion.token_ids[:k]), skip_special_tokens=True)
+        found = [stop for stop in stops if stop in text and stop not in seen]
+        if found:
+            logprobs = completion.logprobs[:k] if completion.logprobs is not None else None
+            return dataclasses.replace(completion, token_ids=list(completion.token_ids[:k]), finish_reason="stop",
+                                       stop_reason=found[0], logprobs=logprobs,
+                                       text=tokenizer.decode(completion.token_ids[:k], skip_special_tokens=True))
+    return completion
 
 
 def _response(trace) -> list[int]:

@@ -220,9 +220,6 @@ def test_sequence_level_correction_takes_a_delethink_traces_ratio_over_all_its_c
         torch.testing.assert_close(weights[row, :n], torch.full((n,), expected), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="found 2026-12-01 once the rg: data seeds changed (issue 77.4): a stop string "
-                   "that a chunk boundary splits (`</` | `answer>`) is not seen by the next chunk's sampler, which reads "
-                   "only its own tokens, so the trace runs on past `</answer>`; to mend in alignment/delethink.py")
 def test_sft_rows_are_the_rows_delethink_cuts_a_written_solution_into(tokenizer, data_dir):
     _check_sft_rows_against_delethink(tokenizer, data_dir, min_terms=4)
 
@@ -259,3 +256,21 @@ def test_sft_rows_need_a_carryover_inside_the_chunk():
     from alignment.args import SFTArgs
     with pytest.raises(ValueError, match="--delethink_carryover 48 must be above 0 and below --delethink_chunk_size 48"):
         SFTArgs(dataset="rg:chain_sum", delethink_chunk_size=48, delethink_carryover=48).check()
+
+
+def test_a_stop_string_split_by_a_chunk_boundary_ends_the_trace_where_it_is_completed(tokenizer):
+    """`</` at the end of one chunk and `answer>` at the start of the next: each chunk's sampler sees only its own
+    tokens, so the trace once ran on to EOS (or its last chunk); it ends after the token that completes the stop."""
+    prompt = tokenizer("Q: 1 + 2?", add_special_tokens=False).input_ids
+    stream = tokenizer(" 1 + 2 = 3 so the answer is 3 </answer> and then more words here", add_special_tokens=False).input_ids
+    text_upto = [tokenizer.decode(stream[:k]) for k in range(len(stream) + 1)]
+    split = next(k for k in range(len(stream)) if text_upto[k].endswith("</") or
+                 ("</answer>" in text_upto[k + 1] and "</answer>" not in text_upto[k] and text_upto[k].endswith("<")))
+    end = next(k for k in range(len(stream) + 1) if "</answer>" in text_upto[k])
+    assert 0 < split < end  # the stop string spans the boundary after `split` tokens
+    policy = FakePolicy(tokenizer, continue_streams({tuple(prompt): [stream + [tokenizer.eos_token_id]]}))
+    rows = delethink.generate(policy, tokenizer, [prompt], SamplingParams(n=1, temperature=0.0, stop=("</answer>",)),
+                              mode_args(split, split // 2, 0, max_turns=5))
+    assert [row.stats["chunk"] for row in rows] == [1, 2]
+    assert rows[-1].finish_reason == "stop" and rows[-1].text.endswith("</answer>")
+    assert rows[0].response_ids + rows[1].response_ids == stream[:end]  # cut after `answer>`: no EOS, no more words
