@@ -165,3 +165,16 @@ def test_every_gsm8k_train_solution_is_kept_and_each_block_runs_in_the_sandbox_t
     assert (result["rows"], result["kept"], result["blocks"]) == (7473, 7473, 23716)
     assert {reason: len(items) for reason, items in result["dropped"].items()} == dict.fromkeys(calculator.REASONS, 0)
     assert result["mismatches"] == [] and result["max_calls"] == calculator.MAX_TOOL_CALLS
+
+
+def test_no_gsm8k_test_question_is_in_the_rl_data(data_dir):
+    """train_rl --dataset gsm8k (the card's RL, bench/gsm8k_card.py) trains on the train split only: none of the
+    1,319 test questions, compared after normalising whitespace, is among its training questions."""
+    from alignment.args import RLArgs
+    from alignment.train_rl import load_questions
+
+    def normal(text):
+        return " ".join(text.split())
+    train_rows, _, _ = load_questions(RLArgs(dataset="gsm8k", data_dir=str(data_dir), eval_limit=0), log=lambda l: None)
+    tested = {normal(row["question"]) for row in data.load_gsm8k("test", str(data_dir))}
+    assert len(train_rows) == 7473 and len(tested) > 1300 and not {normal(r["question"]) for r in train_rows} & tested
