@@ -31,7 +31,7 @@ def arg(default, help: str, choices: tuple | None = None, group: str | None = No
 GROUPS = {
     "model and data": ("model", "dataset", "eval_dataset", "split", "data_dir", "rg_size", "worked_style", "train_file",
                        "question_key", "answer_key", "prompt_key", "response_key", "max_examples", "max_response_tokens", "limit", "prompt",
-                       "prompt_file", "chat_template", "reward_fn", "reward_timeout", "accept_changed_reward", "seed"),
+                       "prompt_file", "chat_template", "reward_fn", "reward_timeout", "accept_changed_reward", "accept_changed_data", "seed"),
     "sampling": ("n_samples", "temperature", "top_p", "max_tokens", "group_size", "rollout_batch_size",
                  "sampling_temperature", "sampling_top_p", "sampling_max_tokens", "sampling_min_tokens", "filter_low",
                  "filter_high", "max_sampling_rounds", "group_size_max"),
@@ -302,8 +302,9 @@ class OwnDataArgs:
     answer_key: str = arg("answer", "the column of a --dataset / --eval_dataset file that holds the gold answer (text or number)")
     prompt_file: str | None = arg(None, "a prompt template of your own instead of --prompt's text: {question}, and any other column of the row by its name ({topic}); --prompt still sets the stop strings and, without --reward_fn, the reward")
     reward_fn: str | None = arg(None, "a reward of your own: path/to/file.py:name or package.module:name, called as name(response, ground_truth, **columns) and returning a float or {reward, format_reward?, answer_reward?}; run in a worker with --reward_timeout per call (a call that hangs, raises or returns nonsense scores 0, counted as reward_failures)")
-    reward_timeout: float = arg(10.0, "seconds one --reward_fn call may take before its sample scores 0 (counted)")
+    reward_timeout: float = arg(10.0, "seconds one --reward_fn call may take before its sample scores 0 (counted); at most 86400")
     accept_changed_reward: bool = arg(False, "--resume a run whose --reward_fn file changed since it started (its sha256 is in config.json)")
+    accept_changed_data: bool = arg(False, "--resume a run whose --prompt_file or --dataset / --eval_dataset file changed since it started (their sha256 are in config.json)")
 
     def own_data_moot(self) -> dict[str, str]:
         from alignment.data import is_file
@@ -311,18 +312,21 @@ class OwnDataArgs:
         keys = {} if files else {name: "without a --dataset file (the built-in sets name their own columns)"
                                  for name in ("question_key", "answer_key")}
         reward = {} if self.reward_fn else {name: "without --reward_fn" for name in ("reward_timeout", "accept_changed_reward")}
-        return {**keys, **reward}
+        data = {} if files or self.prompt_file else {"accept_changed_data": "without --prompt_file or a --dataset file"}
+        return {**keys, **reward, **data}
 
     def check_own_data(self):
         if self.prompt_file:
             path = Path(self.prompt_file)
             if not path.is_file():
                 raise ValueError(f"--prompt_file {path} does not exist; check the path.")
-            if "{question}" not in path.read_text(encoding="utf-8", errors="replace"):
+            from alignment.data import read_prompt_file
+            if "{question}" not in read_prompt_file(self.prompt_file):  # not UTF-8: one line naming the byte
                 raise ValueError(f"--prompt_file {path} has no {{question}}: write it where the question goes.")
         if self.reward_fn:
-            from alignment.user_reward import split_spec
+            from alignment.user_reward import check_timeout, split_spec
             split_spec(self.reward_fn)
+            check_timeout(self.reward_timeout)
         for name in ("dataset", "eval_dataset"):
             from alignment.data import is_file
             value = getattr(self, name, None)

@@ -10,7 +10,9 @@ explicitly); the MATH-style sets (math500, aime24, aime25, amc23, olympiadbench)
 
 import argparse
 import json
+import math
 import os
+import re
 import urllib.error
 import urllib.request
 import warnings
@@ -41,7 +43,8 @@ def read_jsonl(path: Path, required: tuple[str, ...], text: tuple[str, ...] | No
     strings, unless `all_empty_ok`). `remedy` says what to do about a bad file: by default (a file of the
     user's, e.g. sft's --train_file) fix it; the dataset loaders pass their own."""
     path, text = Path(path), required if text is None else text
-    remedy = remedy or f"fix the file: each line must be one JSON object with {', '.join(required)}"
+    remedy = remedy or "fix the file: each line must be one JSON object" + (
+        f" with {', '.join(required)}" if required else ", one row per question")
     if path.is_dir():
         raise UserError(f"{path} is a folder, not a file; pass the JSONL file itself.")
     _folder(path.parent, "check the path")  # a file in the way is named as such, not reported as missing
@@ -51,7 +54,7 @@ def read_jsonl(path: Path, required: tuple[str, ...], text: tuple[str, ...] | No
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a BOM (as Windows tools save) is no text
             except UnicodeDecodeError as e:
                 raise UserError(f"{path}:{line_no} is not UTF-8 text ({e.reason} at byte {e.start}); save the file as "
                                 f"UTF-8 (e.g. `iconv -f latin1 -t utf-8`).") from None
@@ -119,6 +122,8 @@ def download_gsm8k(data_dir: str | Path | None = None, base_url: str | None = No
 
 
 def load_gsm8k(split: str = "test", data_dir: str | None = None) -> list[dict]:
+    if split not in ("train", "test"):  # before a download of a file that does not exist
+        raise UserError(f"gsm8k has the splits train and test, not {split!r}; choose one (--split).")
     path = resolve_data_dir(data_dir) / "gsm8k" / f"{split}.jsonl"
     if not path.exists():
         download_gsm8k(data_dir, splits=(split,))  # only what is asked for: evaluate needs no train split
@@ -222,17 +227,42 @@ def is_file(name: str) -> bool:
         "/" in name or Path(name).exists()))
 
 
+def same_question(text: str) -> str:
+    """The question as held out and compared: runs of whitespace made one space, the ends trimmed, so a copy that
+    differs only in spacing is the same question (it would otherwise be trained on while its twin is evaluated).
+    Text already in this form is unchanged, so its hash, and the split of a file without such copies, are too."""
+    return " ".join(text.split())
+
+
 def held_out(question: str) -> bool:
     """A file's row is in its test split by a hash of its question alone: no seed, no other row moves it."""
-    return derive_seed("held out", question) % HELD_OUT_EVERY == 0
+    return derive_seed("held out", same_question(question)) % HELD_OUT_EVERY == 0
 
 
-def load_file(path: str, split: str, question_key: str = "question", answer_key: str = "answer") -> list[dict]:
+FILE_SPLITS = ("test", "train", "all")  # a file's splits (evaluate --split); any other name is refused
+
+
+def usable_answer(answer) -> bool:
+    """A gold the graders can match: non-empty text or a finite number. An empty gold would reward an empty answer;
+    true/false (a bool is an int) and NaN would become the golds "true" and "NaN"."""
+    if isinstance(answer, str):
+        return bool(answer.strip())
+    return isinstance(answer, (int, float)) and not isinstance(answer, bool) and math.isfinite(answer)
+
+
+def load_file(path: str, split: str, question_key: str = "question", answer_key: str = "answer",
+              flag: str = "--dataset") -> list[dict]:
     """A user's rows (`.jsonl`, `.json` list, `.parquet`, `.csv`, or a folder saved by `datasets`): `question` and
     `answer` (a string: the built-in graders compare strings) from the named columns, and `columns`, every column
     but the answer one by its own name (what a --reward_fn receives). Split "test" is the held-out tenth
-    (`held_out`), "train" the rest, "all" every row; a `datasets` folder with named splits gives its own."""
-    (rows, own_split), where = _read_table(Path(path), split), f"--dataset {path}"
+    (`held_out`), "train" the rest, "all" every row; a `datasets` folder with named splits gives its own. `flag`
+    names the file in an error (--dataset or --eval_dataset)."""
+    if question_key == answer_key:
+        raise UserError(f"--question_key and --answer_key both name the column {question_key}: the gold answer would "
+                        f"be the question; name the answer's column with --answer_key.")
+    (rows, own_split), where = _read_table(Path(path), split, flag), f"{flag} {path}"
+    if not own_split and split not in FILE_SPLITS:  # any other name quietly gave the training rows
+        raise UserError(f"--split {split} is not a split of {path}; choose test (its held-out tenth), train or all.")
     if not rows:
         raise UserError(f"{where} holds no rows; give a file with one row per question.")
     missing = [key for key in (question_key, answer_key) if key not in rows[0]]
@@ -243,9 +273,9 @@ def load_file(path: str, split: str, question_key: str = "question", answer_key:
     out = []
     for number, row in enumerate(rows, 1):
         question, answer = row.get(question_key), row.get(answer_key)
-        if not isinstance(question, str) or not question.strip() or answer is None or isinstance(answer, (dict, list)):
-            raise UserError(f"{where}: row {number} needs a non-empty text {question_key} and a text or number "
-                            f"{answer_key} (it has {json.dumps(question, default=str)[:40]} and "
+        if not isinstance(question, str) or not question.strip() or not usable_answer(answer):
+            raise UserError(f"{where}: row {number} needs a non-empty text {question_key} and a non-empty text or "
+                            f"finite number {answer_key} (it has {json.dumps(question, default=str)[:40]} and "
                             f"{json.dumps(answer, default=str)[:40]}); fix or drop it.")
         out.append({"question": question, "answer": answer if isinstance(answer, str) else json.dumps(answer),
                     "columns": {key: value for key, value in row.items() if key != answer_key}})
@@ -265,6 +295,10 @@ def load_pairs(path: str, prompt_key: str = "prompt", response_key: str = "respo
         if bad or not rows:
             raise UserError(f"--train_file {path}: " + (f"row {bad} lacks a text {prompt_key} or {response_key} (name "
                             f"the columns with --prompt_key and --response_key)" if bad else "holds no rows") + ".")
+        empty = next((n for n, row in enumerate(rows, 1) if not (row[prompt_key] or row[response_key])), None)
+        if empty:  # read_jsonl's rule for .jsonl: no token to train on crashed the first step's forward
+            raise UserError(f"--train_file {path}: row {empty}: {prompt_key} and {response_key} are empty, nothing to "
+                            f"train on; fix or drop it.")
     return [{"prompt": row[prompt_key], "response": row[response_key]} for row in rows]
 
 
@@ -285,7 +319,7 @@ def _read_table(path: Path, split: str, flag: str = "--dataset") -> tuple[list[d
         if path.suffix == ".jsonl":
             return read_jsonl(path, (), text=()), False
         if path.suffix == ".json":
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            rows = json.loads(path.read_text(encoding="utf-8-sig"))  # -sig: a BOM is not part of the text
             if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
                 raise UserError(f"{flag} {path} must hold a JSON list of objects, one per question.")
             return rows, False
@@ -294,8 +328,8 @@ def _read_table(path: Path, split: str, flag: str = "--dataset") -> tuple[list[d
             return pyarrow.parquet.read_table(path).to_pylist(), False
         if path.suffix == ".csv":
             import csv
-            with open(path, newline="", encoding="utf-8") as f:
-                return list(csv.DictReader(f)), False
+            with open(path, newline="", encoding="utf-8-sig") as f:  # as Excel saves it: the BOM is no column name
+                return _csv_rows(csv.DictReader(f), path), False
     except (OSError, ValueError) as e:  # a damaged parquet or folder, bad JSON, bytes that are not UTF-8
         if isinstance(e, UserError):
             raise
@@ -303,15 +337,28 @@ def _read_table(path: Path, split: str, flag: str = "--dataset") -> tuple[list[d
     raise UserError(f"{flag} {path}: give a {', '.join(FILE_KINDS)} file or a folder saved by `datasets`.")
 
 
+def _csv_rows(reader, path: Path) -> list[dict]:
+    """The CSV's rows; one with more fields than the header is refused (DictReader keeps the extra under None)."""
+    rows = []
+    for row in reader:
+        if None in row:
+            raise UserError(f"{path}:{reader.line_num} has {len(row) - 1 + len(row[None])} fields but the header names "
+                            f"{len(reader.fieldnames)} ({', '.join(reader.fieldnames)})"[:300] + "; quote a field that "
+                            f"holds a comma, or fix the row.")
+        rows.append(row)
+    return rows
+
+
 def load_dataset(name: str, split: str = "test", data_dir: str | None = None, size: int = 2000,
-                 seed: int = 0, question_key: str = "question", answer_key: str = "answer") -> list[dict]:
+                 seed: int = 0, question_key: str = "question", answer_key: str = "answer",
+                 flag: str = "--dataset") -> list[dict]:
     """Rows for `name`: gsm8k, a MATH-style set, `rg:<task>` (reasoning-gym; `size` problems generated from
     `rg_data_seed(split, seed)`; a task with few distinct problems can repeat a question across splits, which the
     scripts leave out of training), or a user's file or folder (`load_file`, with its columns' names)."""
     if name.startswith("rg:"):
         return load_reasoning_gym(name[3:], size, rg_data_seed(split, seed))
     if is_file(name):
-        return load_file(name, split, question_key, answer_key)
+        return load_file(name, split, question_key, answer_key, flag)
     if name == "gsm8k":
         return load_gsm8k(split, data_dir)
     if name in MATH_STYLE:
@@ -330,18 +377,52 @@ def load_prompt(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
+_PROMPT_FILES: dict = {}  # --prompt_file -> its text as read at the run's start (read_prompt_file)
+
+
+def read_prompt_file(path: str) -> str:
+    """Read --prompt_file now (a run's start: run.py, evaluate) and keep its text: prompts are built from it for the
+    whole run, so an edit mid-run changes nothing (a resume compares its sha256). Bytes that are not UTF-8 are one
+    line naming the file, the byte and its line."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise MissingFileError(f"--prompt_file {path} cannot be read ({e.strerror or e}); check the path.") from None
+    try:
+        text = raw.decode("utf-8-sig")  # (a BOM, as Windows tools save, is no text)
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise UserError(f"--prompt_file {path} is not UTF-8 text: byte 0x{raw[e.start]:02x} at line {line} (byte "
+                        f"{e.start}); save the file as UTF-8.") from None
+    _PROMPT_FILES[str(path)] = text
+    return text
+
+
 def prompt_template(name: str, prompt_file: str | None = None) -> str:
-    """The text of --prompt_file when given, else of the built-in template `name`."""
-    return Path(prompt_file).read_text(encoding="utf-8") if prompt_file else load_prompt(name)
+    """The text of --prompt_file when given (as read at the run's start), else of the built-in template `name`."""
+    if prompt_file:
+        return _PROMPT_FILES[str(prompt_file)] if str(prompt_file) in _PROMPT_FILES else read_prompt_file(prompt_file)
+    return load_prompt(name)
+
+
+PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_]\w*)\}")  # {{ and }} are literal braces, as in str.format
 
 
 def format_prompt(template: str, question: str, columns: dict | None = None) -> str:
     """The template with {question} filled in, and each {column} of a user's row by its name (a file's rows carry
-    `columns`). str.replace, not str.format: questions and LaTeX are full of braces."""
-    for key, value in (columns or {}).items():
-        if key != "question":
-            template = template.replace("{" + key + "}", str(value))
-    return template.replace("{question}", question)
+    `columns`); {{ and }} write a literal brace. One pass, not str.format: questions and LaTeX are full of braces
+    (`\\boxed{}` stays as it is), and a filled-in value is never read again. A {name} the row lacks is refused."""
+    values = {**(columns or {}), "question": question}
+
+    def fill(match):
+        if match.group(1) is None:
+            return match.group(0)[0]
+        if match.group(1) not in values:
+            raise UserError(f"--prompt_file has {match.group(0)}, and the data has no such column (its columns: "
+                            f"{', '.join(sorted(values))}): rename it to one of them, or write {{{{{match.group(1)}}}}} "
+                            f"for the text itself.")
+        return str(values[match.group(1)])
+    return PLACEHOLDER.sub(fill, template)
 
 
 def main(argv=None):

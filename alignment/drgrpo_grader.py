@@ -225,7 +225,8 @@ def grade(given_answer, ground_truth, fast=True):
             return False
         truths = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
         given = normalize(given_answer)
-        return any(_equal(given, normalize(str(t)), fast, deadline) for t in truths)
+        # an empty gold (after normalising) matches nothing: else an empty answer would score 1
+        return any(truth and _equal(given, truth, fast, deadline) for truth in (normalize(str(t)) for t in truths))
     except Exception:  # a reward function must not crash the training step: unparsable means wrong
         return False
 

@@ -4,8 +4,12 @@
     uv run -m alignment.evaluate --model checkpoints/math_sft --limit 200
     uv run -m alignment.evaluate --model Qwen/Qwen2.5-Math-1.5B --limit 0 --max_tokens 1024   # reference, GPU + vLLM
 
-With `--n_samples k` (and a temperature above 0) it also reports pass@k (some sample is right) and maj@k
-(the most common extracted answer is right). Writes one JSON line per completion and a summary.
+With `--n_samples k` (and a temperature above 0) it also reports pass@k and maj@k. pass@k: some sample is right,
+i.e. has answer_reward 1 (the built-in graders' and TIR's answer_reward is 1/0 correctness, whatever the reward's
+scale or penalty); absent (null) with a --reward_fn that returns no answer_reward. maj@k: the most common answer, as
+the prompt's grader extracts it, is right; absent with a --reward_fn, whose way of reading an answer (a tolerance,
+a format of its own) the toolkit cannot know. Writes one JSON line per completion and a summary; a --reward_fn that
+failed on every answer ends in one line instead (no summary that reads like a score of 0).
 `evaluate(...)` is the reusable core that SFT and RL call for periodic evaluation.
 """
 
@@ -40,12 +44,14 @@ PROMPT_SETTINGS = {
 CPU_DEFAULT_LIMIT = 100  # about 3-5 minutes for smollm2-135m on 2 cores
 
 
-def make_scorer(args):
+def make_scorer(args, rows=()):
     """score(last row of a trace, question row) -> reward dict, for training and evaluation alike: --reward_fn's
     (alignment/user_reward.py, with the row's columns) when given, else the grader the prompt calls for; the TIR
-    reward also reads the trace's execution record (ToRL's optional penalty for code that failed)."""
+    reward also reads the trace's execution record (ToRL's optional penalty for code that failed). `rows`, the
+    questions it will score: a column the --reward_fn cannot receive is refused before its worker starts."""
     if args.reward_fn:
-        from alignment.user_reward import UserReward
+        from alignment.user_reward import UserReward, check_columns
+        check_columns(args.reward_fn, rows)
         reward = UserReward(args.reward_fn, args.reward_timeout)
         score = lambda trace_row, row: reward(trace_row.text, row["answer"], row.get("columns", {"question": row["question"]}))  # noqa: E731
         score.user_reward = reward  # its failures, and its file's hash for the run's config
@@ -78,14 +84,17 @@ def check_context(max_model_len: int | None, tokenizer, rows, prompt_name: str, 
     limit = max_model_len or (_model_context(model) if model else None)
     if not limit or not rows:
         return
-    longest = max(len(ids) for ids in build_prompts(tokenizer, rows, prompt_name, chat_template, prompt_file)[1])
+    lengths = [len(ids) for ids in build_prompts(tokenizer, rows, prompt_name, chat_template, prompt_file)[1]]
+    longest = max(lengths)
+    drop = (f"shorten or drop the question starting {rows[lengths.index(longest)]['question'][:40]!r}"
+            + ("" if longest < limit else f" (its prompt alone fills the {limit} tokens)"))  # the row, not the answer
     if longest + max_tokens > limit:
         raise UserError((f"--vllm_max_model_len {max_model_len} cannot hold the longest prompt ({longest} tokens) and "
-                         f"an answer of up to {max_tokens}: raise it to at least {longest + max_tokens}.")
+                         f"an answer of up to {max_tokens}: raise it to at least {longest + max_tokens}, or {drop}.")
                         if max_model_len else
                         (f"the model's context ({limit} tokens, its max_position_embeddings) cannot hold the longest "
-                         f"prompt ({longest} tokens) and an answer of up to {max_tokens} tokens: lower {length} "
-                         f"to at most {max(limit - longest, 0)}."))
+                         f"prompt ({longest} tokens) and an answer of up to {max_tokens} tokens: "
+                         + (f"lower {length} to at most {limit - longest}, or {drop}." if longest < limit else f"{drop}.")))
 
 
 def context_need(args, max_tokens: int) -> tuple[int, str]:
@@ -173,8 +182,9 @@ def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: Sam
         summary[f"mean_{key}"] = _mean(r["stats"].get(key, 0) for r in records)
     if params.n > 1:
         by_problem = [records[i:i + params.n] for i in range(0, len(records), params.n)]
-        summary[f"pass@{params.n}"] = _mean(any(r["reward"] == 1 for r in group) for group in by_problem)
-        summary[f"maj@{params.n}"] = _mean(_majority_is_correct(group, prompt_name) for group in by_problem)
+        summary[f"pass@{params.n}"] = _pass_at_k(by_problem)
+        summary[f"maj@{params.n}"] = (None if getattr(score, "user_reward", None) is not None else
+                                      _mean(_majority_is_correct(group, prompt_name) for group in by_problem))
     return summary, records
 
 
@@ -186,8 +196,16 @@ def summary_line(summary: dict) -> str:
             f"{shown['avg_all_rewards']}")
 
 
+def _pass_at_k(by_problem) -> float | None:
+    """pass@k: the share of problems with a right sample, right being answer_reward 1 (correctness, not the reward,
+    which TIR's scheme and penalty move off 1); None when no sample reports an answer_reward (a --reward_fn's)."""
+    if all(r["answer_reward"] is None for group in by_problem for r in group):
+        return None
+    return _mean(any(r["answer_reward"] == 1 for r in group) for group in by_problem)
+
+
 def _majority_is_correct(records, prompt_name) -> bool:
-    """maj@k: the most common extracted answer (compared after normalisation) is the right one."""
+    """maj@k: the most common extracted answer (compared after normalisation) is the right one (answer_reward 1)."""
     votes, correct_by_answer = Counter(), {}
     for record in records:
         answer = extract_answer(record["response"], prompt_name)
@@ -195,7 +213,7 @@ def _majority_is_correct(records, prompt_name) -> bool:
             continue
         key = normalize(answer)
         votes[key] += 1
-        correct_by_answer[key] = correct_by_answer.get(key, False) or record["reward"] == 1
+        correct_by_answer[key] = correct_by_answer.get(key, False) or record["answer_reward"] == 1
     return bool(votes) and correct_by_answer[votes.most_common(1)[0][0]]
 
 
@@ -212,6 +230,8 @@ def main(args: EvalArgs) -> dict:
                f"{re.sub(r'[^A-Za-z0-9._=-]+', '_', args.dataset)}-{time.strftime('%Y%m%d-%H%M%S')}")
     _refuse_used(out)
     models.resolve_model(args.model)  # an unusable --model fails before anything is written
+    if args.prompt_file:  # read once: every prompt of this evaluation from the same text (not UTF-8: one line)
+        data.read_prompt_file(args.prompt_file)
     rows = data.load_dataset(args.dataset, args.split, args.data_dir, question_key=args.question_key,
                              answer_key=args.answer_key)
     limit = args.limit if args.limit is not None else (0 if device.startswith("cuda") else CPU_DEFAULT_LIMIT)
@@ -236,6 +256,16 @@ def main(args: EvalArgs) -> dict:
         raise
 
 
+def _refuse_a_broken_reward(args: EvalArgs, score, records: list[dict]):
+    """A --reward_fn that failed on every answer is a bug, not a score of 0: one line, and nothing written (as
+    train_rl stops on a first step that failed everywhere). Some failures are counted in the summary instead."""
+    reward = getattr(score, "user_reward", None)
+    if reward is not None and records and all(r["reward_failed"] for r in records):
+        reward.close()
+        raise UserError(f"--reward_fn {args.reward_fn} failed on every answer ({len(records)} of {len(records)}), "
+                        f"first: {reward.errors[0] if reward.errors else '?'}; fix it, then evaluate again.")
+
+
 def _evaluate_into(out: Path, args: EvalArgs, device: str, subset: list[dict], backend: str) -> dict:
     """main's work once `out` is locked: load the model, sample, grade, write results.jsonl and summary.json."""
     torch.manual_seed(args.seed)
@@ -244,7 +274,7 @@ def _evaluate_into(out: Path, args: EvalArgs, device: str, subset: list[dict], b
         need, length = context_need(args, args.max_tokens)
         check_context(args.vllm_max_model_len if backend == "vllm" else None, tokenizer, subset, args.prompt,
                       args.chat_template, need, args.model, length, args.prompt_file)
-    score = make_scorer(args)  # a --reward_fn's worker starts (and a bad one is refused) before the weights load
+    score = make_scorer(args, subset)  # a --reward_fn's worker starts (or is refused) before the weights load
     model = models.load_model(args.model, device, models.default_dtype(device, args.precision)) if backend == "hf" else None
     sampler = make_sampler(backend, model, tokenizer, models.resolve_model(args.model), device,
                            batch_size=args.batch_size, seed=args.seed, progress=True, decoding=args.hf_decoding,
@@ -253,6 +283,7 @@ def _evaluate_into(out: Path, args: EvalArgs, device: str, subset: list[dict], b
                             max_tokens=args.max_tokens, seed=args.seed)
     summary, records = evaluate(sampler, tokenizer, subset, args.prompt, params, args.chat_template,
                                 args.rollout_mode, mode_args=args, score=score, prompt_file=args.prompt_file)
+    _refuse_a_broken_reward(args, score, records)
     with open(out / "results.jsonl", "w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")

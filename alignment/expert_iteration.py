@@ -105,7 +105,7 @@ def main(args: EIArgs) -> dict:
     check_context(args.vllm_max_model_len if backend == "vllm" else None, tokenizer, train_rows + eval_rows,
                   args.prompt, args.chat_template, max(args.sampling_max_tokens, args.eval_max_tokens), run.weights,
                   prompt_file=args.prompt_file)
-    score = make_scorer(args)  # a --reward_fn's worker starts (a bad one is refused) before the weights load
+    score = make_scorer(args, train_rows + eval_rows)  # a bad --reward_fn is refused before the weights load
     model = models.load_policy_model(run.weights, roles["policy"], dtype)
     if device.startswith("cuda"):
         model.gradient_checkpointing_enable()

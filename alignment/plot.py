@@ -9,6 +9,7 @@ Panels: reward (training rollouts and evaluation), format and answer rates, resp
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from alignment.errors import MissingFileError, UserError, cli
@@ -23,11 +24,12 @@ PANELS = [
 ]
 
 
-def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
+def plot(run_dirs, out: str | Path | None = None, x: str = "step", overwrite: bool = False) -> Path:
     """Draw one run (a folder or a list of one) or several on the same axes (e.g. seeds of one recipe):
     with several, each series is labelled with its run's name (`run_labels`) and the PNG goes to `out`
     (default: curves.png in the first run's parent folder). `x` is the horizontal axis: the step, or
-    generated_tokens (the tokens sampled so far) to compare runs at equal sampling work (EI against RL)."""
+    generated_tokens (the tokens sampled so far) to compare runs at equal sampling work (EI against RL). An existing
+    file is replaced only with `overwrite`, but for curves.png in the one run folder drawn (plot's own file there)."""
     out = Path(out) if out is not None else None
     if out is not None and out.suffix.lower() not in (".png", ".pdf", ".svg", ".jpg", ".jpeg"):
         raise UserError(f"--out {out}: name a picture file ending .png (or .pdf, .svg, .jpg).")
@@ -51,6 +53,10 @@ def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
     for (name, records), run_dir in zip(runs, run_dirs):
         if not any(r.get(key) is not None and r.get(x) is not None for r in records for key in drawable):
             raise UserError(_nothing_to_draw(run_dir, records, x))
+    target = Path(out or (run_dirs[0] if len(runs) == 1 else run_dirs[0].parent) / PLOT_FILE)
+    own = len(runs) == 1 and target.resolve() == (run_dirs[0] / PLOT_FILE).resolve()
+    if os.path.lexists(target) and not overwrite and not own:  # a user's picture is never replaced silently
+        raise UserError(f"{target} already exists: choose another --out, or add --overwrite to replace it.")
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
     for ax, (title, series) in zip(axes, PANELS):
         for run_index, (name, records) in enumerate(runs):
@@ -67,7 +73,7 @@ def plot(run_dirs, out: str | Path | None = None, x: str = "step") -> Path:
             ax.legend(fontsize=6)
     fig.suptitle(", ".join(name for name, _ in runs))
     fig.tight_layout()
-    out = Path(out or (run_dirs[0] if len(runs) == 1 else run_dirs[0].parent) / PLOT_FILE)
+    out = target
     drawn = sum(len(ax.lines) for ax in axes)
     try:
         fig.savefig(out, dpi=110)
@@ -94,7 +100,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.exists():
         raise MissingFileError(f"{path} does not exist; pass a run folder written by alignment.train_rl, "
                                f"alignment.expert_iteration or alignment.sft.")
+    lines = path.read_text().splitlines()  # before the records: a line appended meanwhile is not taken for a bad one
     records = read_jsonl(path)
+    if len(records) < len(lines):  # read_jsonl leaves out a last line that is not JSON: say which
+        damaged = f"line {len(lines)} of {path} is not JSON ({lines[-1][:40]!r})"
+        if not records:
+            raise UserError(f"{damaged}, and the file holds no other line: fix or delete that line.")
+        print(f"[plot] warning: {damaged}: left out (cut off by a run still writing, or damaged: fix or delete it)")
     for number, record in enumerate(records, 1):  # read_jsonl drops only a cut-off last line: index is line
         if not isinstance(record, dict):
             raise UserError(f"line {number} of {path} is not a JSON object ({json.dumps(record)[:40]}); each line "
@@ -146,8 +158,10 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="PNG path (default <run_dir>/curves.png; several runs: their parent)")
     parser.add_argument("--x", default="step", choices=("step", "generated_tokens"),
                         help="horizontal axis: step, or generated_tokens (runs at equal sampling work)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file (a run's own "
+                        "curves.png is replaced without it)")
     args = parser.parse_args(argv)
-    cli(lambda a: print(f"[plot] wrote {plot(a.run_dirs, a.out, a.x)}"), args)
+    cli(lambda a: print(f"[plot] wrote {plot(a.run_dirs, a.out, a.x, a.overwrite)}"), args)
 
 
 if __name__ == "__main__":

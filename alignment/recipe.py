@@ -18,7 +18,8 @@ from dataclasses import fields
 from pathlib import Path
 
 # What a run's config.json (alignment/run.py) holds about the run itself rather than as a flag to give again
-BOOKKEEPING = ("output_dir", "start_model", "script", "resume", "overwrite", "reward_fn_sha256")
+BOOKKEEPING = ("output_dir", "start_model", "script", "resume", "overwrite", "reward_fn_sha256", "prompt_file_sha256",
+               "dataset_sha256", "eval_dataset_sha256")
 
 
 def take_config(argv: list[str]) -> tuple[list[str], str | None]:

@@ -22,6 +22,7 @@ training loops read the same in one process and under torchrun.
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import json
 import math
 import pickle
@@ -45,7 +46,7 @@ from alignment.errors import MissingFileError, StoppedAtOnce, UserError
 STATE_FILE = "trainer_state.pt"
 SAME_PRESS_SECONDS = 1.0  # signals of one kind this close together are one press (uv forwards what the group got)
 ALWAYS_RESUMABLE = {"resume", "overwrite", "output_dir", "eval_every", "eval_before_train", "save_every", "log_rollouts",
-                    "logger", "keep_freed_memory", "reward_timeout", "accept_changed_reward"}
+                    "logger", "keep_freed_memory", "reward_timeout", "accept_changed_reward", "accept_changed_data"}
 
 
 class Run:
@@ -65,6 +66,11 @@ class Run:
         if args.resume and (self.dir / STATE_FILE).exists():  # before the lock: nothing is written into it
             raise UserError(f"--resume {self.dir} is a run's checkpoint folder: pass the run folder that holds it "
                             f"(--resume {self.dir.parent}).")
+        if args.resume and not run_config(self.dir) and not any((self.dir / name).exists() for name in
+                                                                 ("checkpoint", "checkpoint.tmp", "checkpoint.old")):
+            raise MissingFileError(f"--resume {self.dir}: the folder holds no run of alignment.{self.script} (no "
+                                   f"config.json or checkpoint/ a run writes): pass the --output_dir of a run that "
+                                   f"saved at least one checkpoint.")  # before the lock: nothing is written into it
         for flag, model in (("model", start_model), ("critic_model", getattr(args, "critic_model", None))):
             if model and Path(model).exists() and self.dir.resolve() in (Path(model).resolve(),
                                                                           *Path(model).resolve().parents):
@@ -80,6 +86,7 @@ class Run:
             raise UserError(f"{self.dir} holds files no run writes ({', '.join(foreign[:5])}"
                             f"{', ...' if len(foreign) > 5 else ''}): --overwrite deletes only what a run wrote; move "
                             f"them out or choose another --output_dir.")
+        self.data_hashes = _data_hash(args)  # reads --prompt_file, once for the run (a bad one: before the lock)
         self._lock = lock_folder(self.dir) if self.main else None  # held until this process ends
         self.state = self._resume_state(set(resumable) | ALWAYS_RESUMABLE) if args.resume else None
         if not args.resume and _holds_a_run(self.dir) and not args.overwrite:
@@ -99,7 +106,7 @@ class Run:
             for name in ("metrics.jsonl", "rollouts.jsonl"):  # a crash after the checkpoint wrote these again
                 _truncate_jsonl(self.dir / name, self.start_step, self.say if name == "metrics.jsonl" else None)
             config = {**to_dict(args), "output_dir": str(self.dir), "start_model": self.start_model,
-                      "script": self.script, **_reward_hash(args)}
+                      "script": self.script, **_reward_hash(args), **self.data_hashes}
             (self.dir / "config.json.tmp").write_text(json.dumps(config, indent=2, default=str))
             os.replace(self.dir / "config.json.tmp", self.dir / "config.json")  # never half a config: a user's file
             self.logger = _make_logger(args.logger, self.dir, config)
@@ -148,7 +155,8 @@ class Run:
         script's own `state`, which `restore` hands back."""
         trainer_state = {**(state or {}), "step": step, "start_model": self.start_model,
                          "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
-        config = {**to_dict(self.args), "output_dir": str(self.dir), **_reward_hash(self.args)}  # the folder it writes
+        config = {**to_dict(self.args), "output_dir": str(self.dir), **_reward_hash(self.args),  # the folder it writes
+                  **self.data_hashes}
         if self.main:
             self._still_there()
         models.save_checkpoint(model, tokenizer, self.checkpoint, config=config, optimizer=optimizer,
@@ -252,6 +260,12 @@ class Run:
             raise UserError(f"--reward_fn {self.args.reward_fn}: its file changed since the run's checkpoint (sha256 "
                             f"{str(then)[:12]} then, {str(now)[:12]} now): restore it, or pass --accept_changed_reward "
                             f"to go on with the new one.")
+        edited = [f"--{key.removesuffix('_sha256')} {getattr(self.args, key.removesuffix('_sha256'))} (sha256 "
+                  f"{saved[key][:12]} then, {now[:12]} now)" for key, now in self.data_hashes.items()
+                  if key in saved and saved[key] != now]  # a run saved before the hashes were kept: nothing to compare
+        if edited and not getattr(self.args, "accept_changed_data", False):
+            raise UserError(f"{', '.join(edited)}: the file changed since the run's checkpoint: restore it, or pass "
+                            f"--accept_changed_data to go on with the new one.")
         if changed:
             raise UserError(f"resume with the flags of the original run; these differ: {', '.join(typed or implied)}"
                             + (f" (and, implied by them, {', '.join(implied)})" if typed and implied else "")
@@ -269,6 +283,25 @@ def _reward_hash(args) -> dict:
         return {}
     from alignment.user_reward import source_hash
     return {"reward_fn_sha256": source_hash(args.reward_fn)}
+
+
+def _data_hash(args) -> dict:
+    """The sha256 of a --prompt_file (its text as the run read it at its start) and of a --dataset / --eval_dataset
+    file (a folder saved by `datasets`: its files' names and bytes), kept like the reward's so a resume can tell."""
+    if not hasattr(args, "accept_changed_data"):  # a script without its own files (SFT reads --train_file)
+        return {}
+    from alignment import data
+    hashes = {}
+    if args.prompt_file:
+        hashes["prompt_file_sha256"] = hashlib.sha256(data.read_prompt_file(args.prompt_file).encode()).hexdigest()
+    for flag in ("dataset", "eval_dataset"):
+        path = Path(getattr(args, flag, None) or "")
+        if data.is_file(str(getattr(args, flag, None) or "")) and path.exists():
+            digest = hashlib.sha256(b"" if path.is_dir() else path.read_bytes())  # a file: what sha256sum says
+            for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []:
+                digest.update(str(file.relative_to(path)).encode() + b"\0" + file.read_bytes())
+            hashes[f"{flag}_sha256"] = digest.hexdigest()
+    return hashes
 
 
 def writable_folder(path) -> Path:

@@ -58,13 +58,14 @@ def load_questions(args: RLArgs, log=print, script: str = "train_rl") -> tuple[l
     keys = dict(question_key=args.question_key, answer_key=args.answer_key)  # a file's columns
     train_rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed, **keys)
     eval_name = args.eval_dataset or args.dataset
-    eval_rows = data.load_dataset(eval_name, "test", args.data_dir, size=args.eval_limit, seed=args.seed,
-                                  **keys)[:args.eval_limit]
-    if data.is_file(eval_name) and not args.eval_dataset:
-        log(f"[{script}] held out of training: one question in {data.HELD_OUT_EVERY} of {eval_name}, by a hash of the "
-            f"question (the same for every seed), its test split; {len(eval_rows)} of them evaluated here")
-    held_out = {row["question"] for row in eval_rows}
-    kept = [row for row in train_rows if row["question"] not in held_out]
+    eval_rows = data.load_dataset(eval_name, "test", args.data_dir, size=args.eval_limit, seed=args.seed, **keys,
+                                  flag="--eval_dataset" if args.eval_dataset else "--dataset")[:args.eval_limit]
+    if data.is_file(eval_name):
+        log(f"[{script}] {'held out of training and ' * (not args.eval_dataset)}evaluated: the test split of "
+            f"{eval_name} (one question in {data.HELD_OUT_EVERY}, by a hash of the question, the same for every seed, "
+            f"unless a `datasets` folder names its own), {len(eval_rows)} questions")
+    held_out = {data.same_question(row["question"]) for row in eval_rows}  # a copy differing in spacing is the same
+    kept = [row for row in train_rows if data.same_question(row["question"]) not in held_out]
     if len(kept) < len(train_rows):
         later = "" if args.eval_every else (" (no evaluation in this run, --eval_every 0: held out so that an "
                                             "alignment.evaluate of them later measures questions never trained on)")
@@ -120,7 +121,7 @@ def main(args: RLArgs) -> dict:
         need, length = context_need(args, max(args.sampling_max_tokens, args.eval_max_tokens))
         check_context(args.vllm_max_model_len if backend == "vllm" else None, models.load_tokenizer(run.weights),
                       train_rows + eval_rows, args.prompt, args.chat_template, need, run.weights, length, args.prompt_file)
-    score = make_scorer(args)  # a --reward_fn's worker starts (a bad one is refused) before the weights load
+    score = make_scorer(args, train_rows + eval_rows)  # a bad --reward_fn is refused before the weights load
     m = load_models(args, run, roles, device, backend)
     reference = ("the policy with its adapters off (no second copy)" if m.reference is m.policy else
                  f"{run.start_model} on {roles['reference']}" if m.reference is not None else "none (--kl_coef 0)")
@@ -519,8 +520,9 @@ def _clip_and_step(model, optimizer, max_grad_norm: float, train: _Means, name: 
 
 def _log_line(m: dict, n_steps: int, critic_warmup_steps: int = 0) -> str:
     seconds = " ".join(f"{k[8:]} {v:.1f}s" for k, v in m.items() if k.startswith("seconds_"))
-    head = (f"step {m['step']}/{n_steps} | reward {m['reward']:.3f} | fmt {m['format_reward']:.2f} | "
-            f"ans {m['answer_reward']:.2f} | len {m['response_tokens']:.0f} | "
+    part = lambda k: "absent" if m[k] is None or m[k] != m[k] else f"{m[k]:.2f}"  # noqa: E731 (a --reward_fn's: NaN)
+    head = (f"step {m['step']}/{n_steps} | reward {m['reward']:.3f} | fmt {part('format_reward')} | "
+            f"ans {part('answer_reward')} | len {m['response_tokens']:.0f} | "
             + (f"reward failures {m['reward_failures']:.0f} | " if m.get("reward_failures") else ""))
     if "loss" not in m:  # the policy's weights did not change: say why
         if m["step"] <= critic_warmup_steps:  # the critic trained, the policy waits

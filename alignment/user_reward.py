@@ -3,12 +3,14 @@
     def name(response: str, ground_truth: str, **columns) -> float | dict
 
 `columns` are the question's row, every column but the answer one, by name (a file's own columns; `question`
-for the built-in sets). It returns a float, or a dict with `reward` and optionally `format_reward` and
-`answer_reward` (evaluate's three metrics; one it does not return is reported as absent, not as zero).
+for the built-in sets); a column named `response` or `ground_truth` would collide with the first two arguments and
+is refused before any model loads (`check_columns`). It returns a real number (a float, an int, a bool as 0/1, a
+numpy scalar), or a dict with `reward` and optionally `format_reward` and `answer_reward` (evaluate's three
+metrics; one it does not return is reported as absent, not as zero; pass@k reads answer_reward 1 as right).
 
 It runs as the built-in grader's slow checks do (alignment/grading_worker.py): in a worker process that imports
-the file once and forks a child per call, killed at `--reward_timeout`. A call that passes its time, raises,
-or returns something that is not a finite number scores that sample 0 and is counted (`reward_failed`); it
+the file once and forks a child per call, killed at `--reward_timeout` (at most a day). A call that passes its time,
+raises, or returns something that is not a finite real number scores that sample 0 and is counted (`reward_failed`); it
 never stops or hangs the run. The same function scores training and evaluation; its file's sha256 goes into
 the run's config, so a resume after the file changed is refused unless asked for.
 
@@ -20,6 +22,7 @@ import importlib
 import importlib.util
 import json
 import math
+import numbers
 import os
 import select
 import signal
@@ -31,6 +34,8 @@ from pathlib import Path
 from alignment.errors import UserError
 
 START_TIMEOUT_S = 60.0  # the worker imports the user's file once; a loaded machine can be slow
+MAX_TIMEOUT_S = 86400.0  # --reward_timeout: a day per call is no bound at all; far above it select() overflows
+ARGUMENTS = ("response", "ground_truth")  # the function's own arguments, which no column may be named
 KEYS = ("format_reward", "answer_reward")  # the optional parts of a reward dict
 
 
@@ -41,13 +46,38 @@ def split_spec(spec: str) -> tuple[str, str]:
         raise UserError(f"--reward_fn {spec}: write path/to/file.py:function_name or package.module:function_name.")
     if where.endswith(".py") and not Path(where).is_file():
         raise UserError(f"--reward_fn {spec}: {where} does not exist; check the path.")
+    if not where.endswith(".py") and not all(part.isidentifier() for part in where.split(".")):
+        raise UserError(f"--reward_fn {spec}: {where} is neither a .py file nor a module name (package.module); write "
+                        f"path/to/file.py:function_name or package.module:function_name.")
     return where, name
 
 
+def check_timeout(timeout: float):
+    """--reward_timeout up to MAX_TIMEOUT_S: a larger one overflowed the worker's clock with a traceback."""
+    if timeout > MAX_TIMEOUT_S:
+        raise UserError(f"--reward_timeout {timeout:g} is above the largest, {MAX_TIMEOUT_S:g} s (a day per call): "
+                        f"lower it.")
+
+
+def check_columns(spec: str, rows) -> None:
+    """A column named as one of the function's own arguments would reach it twice (`got multiple values for
+    argument`, on every call): refused before any model loads, naming the column to rename."""
+    clash = sorted({key for row in rows for key in row.get("columns", {})} & set(ARGUMENTS))
+    if clash:
+        raise UserError(f"--reward_fn {spec}: the data has a column named {clash[0]}, which would collide with the "
+                        f"reward's own argument {clash[0]} (it is called as name(response, ground_truth, **columns)): "
+                        f"rename the column in the file.")
+
+
 def source_hash(spec: str) -> str:
-    """The sha256 of the reward's source file (a module's, found without importing it)."""
+    """The sha256 of the reward's source file (a module's, found without importing it; a dotted name imports its
+    parent package, whose failure to import is the user's to see in one line)."""
     where, _ = split_spec(spec)
-    path = where if where.endswith(".py") else getattr(importlib.util.find_spec(where), "origin", None)
+    try:
+        path = where if where.endswith(".py") else getattr(importlib.util.find_spec(where), "origin", None)
+    except Exception as e:  # ModuleNotFoundError for a missing parent package, or whatever its __init__ raised
+        raise UserError(f"--reward_fn {spec}: no module {where} is importable here ({type(e).__name__}: {e}); "
+                        f"give a file path instead.") from None
     if not path or not Path(path).is_file():
         raise UserError(f"--reward_fn {spec}: no module {where} is importable here; give a file path instead.")
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
@@ -60,6 +90,7 @@ class UserReward:
     def __init__(self, spec: str, timeout: float):
         self.spec, self.timeout, self.errors = spec, timeout, []
         split_spec(spec)
+        check_timeout(timeout)
         self.sha256 = source_hash(spec)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p),
                    ALIGNMENT_REWARD_TIMEOUT=str(timeout))
@@ -68,8 +99,13 @@ class UserReward:
         self.buffer = b""
         ready = self._reply(time.monotonic() + START_TIMEOUT_S)
         if not ready or "error" in ready:
+            try:  # an import that ended the process (os._exit, a crash) is not a slow start
+                ended = self.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                ended = None
             self.close()
-            why = ready["error"] if ready else f"the worker did not start in {START_TIMEOUT_S:.0f} s"
+            why = (ready["error"] if ready else f"the worker did not start in {START_TIMEOUT_S:.0f} s" if ended is None
+                   else f"the worker ended (exit status {ended}) while importing it; what it printed above says why")
             raise UserError(f"--reward_fn {spec}: {why}.")
 
     def __call__(self, response: str, ground_truth: str, columns: dict) -> dict:
@@ -82,7 +118,9 @@ class UserReward:
             reply = None
         if reply is None:  # the worker itself is gone or stuck (it never should be): a failure, and a new worker
             self.close()
+            errors = self.errors  # the failures so far are still the run's
             self.__init__(self.spec, self.timeout)
+            self.errors = errors
             reply = {"error": "the reward worker stopped answering"}
         if "error" in reply:
             self.errors.append(reply["error"])
@@ -126,10 +164,16 @@ def _load(spec: str):
 
 
 def _checked(value) -> dict:
-    """A float, or {reward, format_reward?, answer_reward?}, as finite numbers; anything else is nonsense."""
+    """A number, or {reward, format_reward?, answer_reward?} of numbers, as finite floats; anything else is nonsense.
+    A number is what a reward naturally returns: a float, an int, a bool (0/1), a numpy scalar or 0-d array (numpy's
+    bool is no numbers.Real, hence the dtype); text, None, complex and arrays are refused, not guessed at."""
     def number(v, what):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise TypeError(f"{what} is {json.dumps(v, default=repr)[:60]}, not a finite number")
+        real = isinstance(v, numbers.Real) or (getattr(v, "shape", None) == () and
+                                               getattr(getattr(v, "dtype", None), "kind", None) in ("b", "i", "u", "f"))
+        if not real:
+            raise TypeError(f"{what} is {json.dumps(v, default=repr)[:60]}, not a real number")
+        if not math.isfinite(float(v)):
+            raise TypeError(f"{what} is {json.dumps(float(v))}, not a finite number")
         return float(v)
     if not isinstance(value, dict):
         return {"reward": number(value, "the return value")}
@@ -144,6 +188,9 @@ def _serve(spec: str):
     os.dup2(2, 1)  # what the user's code prints goes to stderr, never into the replies
     try:
         function = _load(spec)
+    except SystemExit as e:  # exit() at import (a script's guard, argparse): say so, not "did not start"
+        print(json.dumps({"error": f"cannot load it (its import raised SystemExit: {e})"}), file=replies)
+        return
     except Exception as e:  # the user's file: any error is theirs to see, in one line
         print(json.dumps({"error": f"cannot load it ({type(e).__name__}: {e})"}), file=replies)
         return
@@ -156,7 +203,7 @@ def _serve(spec: str):
             os.close(read_fd)
             try:
                 result = _checked(function(request["response"], request["ground_truth"], **request["columns"]))
-            except Exception as e:
+            except BaseException as e:  # SystemExit too: the child must reach os._exit, not run on as a worker
                 result = {"error": f"{type(e).__name__}: {e}"[:300]}
             os.write(write_fd, json.dumps(result).encode())
             os._exit(0)

@@ -29,7 +29,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from steps_demo import NAME, ROOT, Stage, joined, positive, run_all
+from steps_demo import NAME, ROOT, Stage, joined, positive, refuse_driver_flags, run_all
 
 from alignment.calculator import MAX_TOOL_CALLS
 from alignment.drgrpo_grader import extract_boxed
@@ -43,6 +43,10 @@ ARMS = {  # arm: (sft flags, flags of RL and evaluation, response budget in toke
                                           str(MAX_TOOL_CALLS)], "384"),
 }
 SFT_LR = "1e-4"  # one epoch, batch 8, warmup and cosine decay (sft's schedule)
+# The project's machines keep nothing between sessions (a fresh checkout each time; checkpoints are not committed),
+# so a session runs an arm's SFT again before its RL: SFT, its evaluations and one RL seed with its evaluations must
+# fit one session of 3 hours on 2 cores. 2,400 solutions (300 steps) take ~25 min for the text arm alone.
+SFT_EXAMPLES = 2400
 K, PASSK_LIMIT, TEMPERATURE = 8, 400, "1.0"  # pass@k and maj@k at RL's sampling temperature, as nanochat's
 # RL (pilots in docs/results.md, "GSM8K card"): nanochat samples 16 x 16 a step at temperature 1, advantage = reward -
 # group mean, no KL, no clipping (one epoch on-policy: the clip never binds), a token-level mean
@@ -249,8 +253,8 @@ def parse_args(argv: list[str] | None = None):
                         help="which kinds of stage to run (eval: the evaluations of the models of the kinds named, "
                              "of every model when alone); those left out keep what they have")
     parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
-    parser.add_argument("--sft_examples", type=positive, default=7000,
-                        help="GSM8K train solutions in SFT, in the file's order (8 a step; of 7,473, fewer convert)")
+    parser.add_argument("--sft_examples", type=positive, default=SFT_EXAMPLES,
+                        help="GSM8K train solutions in SFT, the file's first (8 a step; every one of the 7,473 converts)")
     parser.add_argument("--rl_steps", type=positive, default=100, help="RL steps (see RL in this file)")
     parser.add_argument("--rl_flags", default="", help="more train_rl flags (not those the driver sets)")
     parser.add_argument("--backend", choices=("vllm", "hf"), default="vllm",
@@ -268,11 +272,7 @@ def parse_args(argv: list[str] | None = None):
         parser.error("--limit must be 0 (all) or a positive number of problems")
     if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds) or len(set(args.arms)) < len(args.arms):
         parser.error("--seeds must be distinct numbers from 0, and --arms distinct")
-    driver_sets = {w for w in rl_command("tool", 0, Path(), Path(), 1, "hf", []) if w.startswith("--")}
-    clash = sorted((driver_sets | {"--overwrite", "--resume"}) &
-                   {w.split("=")[0] for w in args.rl_flags.split() if w.startswith("--")})
-    if clash:
-        parser.error(f"--rl_flags may not set {', '.join(clash)}: the driver sets them")
+    refuse_driver_flags(parser, args.rl_flags, rl_command("tool", 0, Path(), Path(), 1, "hf", []))
     args.out = Path(args.out).resolve()
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} is a file: name a folder")

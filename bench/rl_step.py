@@ -35,13 +35,16 @@ page faults, more resident memory.
 """
 
 import argparse
+import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,11 +54,73 @@ from steps_demo import positive
 
 from alignment import data, models, train_rl
 from alignment.args import RLArgs
+from alignment.errors import UserError
 from alignment.evaluate import build_prompts
+from alignment.run import RUN_FILES
 
 ROOT = Path(__file__).resolve().parent.parent
 TRL_VERSION = "1.16.0"
-WORK = ROOT / "outputs" / "bench-rl-step"
+WORK = ROOT / "outputs" / "bench-rl-step"  # a new dated folder in it unless --work names one
+RECORD = ".rl_step.json"  # in --work: this bench made the folder; the sha256 of each data file it wrote there
+JSON_KEYS = {"medians", "floors", "ratio_trl_over_ours"}  # a --json this bench wrote: replaced
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_work(work: Path) -> dict:
+    """--work's record ({} for a new or empty folder). A folder is used only when this bench made it (its record) and
+    it holds nothing but what the bench writes there: the record, data/ with the question files as the bench wrote
+    them, ours-<round>/ run folders; else one line, before anything is written (a user's file is never replaced or
+    deleted: a copy of GSM8K in <work>/data was once cut to one line, a file in ours-0/ deleted)."""
+    if work.exists() and not work.is_dir():
+        raise SystemExit(f"error: --work {work} is a file: name a new or empty folder (or one this bench made).")
+    if not work.exists() or not any(work.iterdir()):
+        return {}
+    try:
+        record = json.loads((work / RECORD).read_text())
+    except (OSError, ValueError):
+        record = None
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        raise SystemExit(f"error: --work {work} holds files this bench did not write (no record {RECORD} of its own "
+                         f"there): name a new or empty folder, or leave --work out (a new dated folder).")
+    foreign = []
+    for path in sorted(work.rglob("*")):
+        name = path.relative_to(work).as_posix()
+        if name in record["files"]:
+            if not path.is_file() or sha256(path.read_text(errors="replace")) != record["files"][name]:
+                foreign.append(f"{name} (changed since this bench wrote it)")
+        elif re.fullmatch(r"ours-\d+/.+", name):
+            if name.split("/")[1] not in RUN_FILES:
+                foreign.append(name)
+        elif name not in (RECORD, "data", "data/gsm8k") and not re.fullmatch(r"ours-\d+", name):
+            foreign.append(name)
+    if foreign:
+        raise SystemExit(f"error: --work {work} holds files this bench did not write ({', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}): move them out, or name a new or empty folder.")
+    return record
+
+
+def write_work_file(work: Path, record: dict, name: str, text: str):
+    """A data file in --work, recorded first (check_work then knows it for the bench's own on the next run)."""
+    record["files"] = {**record.get("files", {}), name: sha256(text)}
+    (work / RECORD).write_text(json.dumps(record, indent=1))
+    (work / name).parent.mkdir(parents=True, exist_ok=True)
+    (work / name).write_text(text)
+
+
+def check_json(path: str | None, overwrite: bool):
+    """--json: a new file, or a record this bench wrote, or anything with --overwrite; else one line before any run."""
+    if not path or not os.path.lexists(path) or overwrite:
+        return
+    try:
+        mine = JSON_KEYS <= json.loads(Path(path).read_text()).keys()
+    except (OSError, ValueError, AttributeError):
+        mine = False
+    if not mine:
+        raise SystemExit(f"error: --json {path} exists and is not a record of this bench: name another file, or add "
+                         f"--overwrite to replace it.")
 
 
 def trl_python(venv: Path) -> Path:
@@ -109,7 +174,6 @@ def matmul_peak(dtype: torch.dtype, seconds: float = 2.0, device: str = "cpu") -
 def run_ours(args, question_dir: Path, round_index: int) -> list[dict]:
     run_dir = Path(args.work) / f"ours-{round_index}"
     device = "cuda:0" if args.device == "cuda" else "cpu"  # every role there (the policy goes where CUDA is, if any)
-    shutil.rmtree(run_dir, ignore_errors=True)
     rl_args = RLArgs(model=args.model, dataset="gsm8k", data_dir=str(question_dir), prompt="r1_zero",
                      loss_type="grpo_clip", group_size=args.group_size, rollout_batch_size=args.group_size,
                      train_batch_size=args.group_size, train_mini_batch_size=args.microbatch,
@@ -119,7 +183,8 @@ def run_ours(args, question_dir: Path, round_index: int) -> list[dict]:
                      seed=args.seed + round_index, output_dir=str(run_dir), sample_device=device,
                      reference_model_device=device, eval_device=device, backend=args.backend, kv_cache_gib=2,
                      sampling_min_tokens=0 if args.natural_length else args.max_tokens, precision=args.precision,
-                     keep_freed_memory=args.keep_freed_memory)
+                     keep_freed_memory=args.keep_freed_memory,
+                     overwrite=run_dir.exists())  # an earlier round's run (check_work: nothing else is in it)
     rl_args.check()
     train_rl.main(rl_args)
     steps = []
@@ -140,13 +205,15 @@ def run_trl(args, python: Path, prompt: str, answer: str, round_index: int) -> l
                 "max_tokens": args.max_tokens, "temperature": 1.0, "top_p": 1.0, "learning_rate": 1e-5,
                 "force_length": not args.natural_length, "threads": args.threads, "seed": args.seed + round_index,
                 "bf16": args.trl_bf16, "keep_freed_memory": args.keep_freed_memory, "cuda": args.device == "cuda",
-                "output_dir": str(Path(args.work) / f"trl-{round_index}")}
+                "output_dir": None}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "OMP_NUM_THREADS": str(args.threads)}
     if not args.trl_python:  # the benchmark's own environment sees none of the project's packages
         env["PYTHONPATH"] = ""
-    done = subprocess.run([str(python), str(ROOT / "bench" / "_trl_step.py"), json.dumps(settings)],
-                          env=env, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="bench-trl-") as scratch:  # GRPOTrainer's output_dir: it saves nothing
+        settings["output_dir"] = scratch
+        done = subprocess.run([str(python), str(ROOT / "bench" / "_trl_step.py"), json.dumps(settings)],
+                              env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the TRL run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"total"')]
@@ -173,9 +240,12 @@ def main():
     parser.add_argument("--trl_venv", default=str(ROOT / "checkpoints" / "bench-trl-venv"))
     parser.add_argument("--trl_python", default=None, help="a Python that imports TRL already (no environment made)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides run")
-    parser.add_argument("--work", default=str(WORK), help="folder for both sides' runs and the question's data")
+    parser.add_argument("--work", default=None, help="folder for our side's runs and the question's data: new, empty "
+                        "or made by this bench (default: a new dated folder in outputs/bench-rl-step)")
     parser.add_argument("--json", default=None, help="also write the medians, floors and ratios to this file")
+    parser.add_argument("--overwrite", action="store_true", help="replace a --json file this bench did not write")
     args = parser.parse_args()
+    args.work = args.work or str(WORK / time.strftime("%Y%m%d-%H%M%S"))
     if args.steps < 2:
         parser.error("--steps must be at least 2: the first step of each run is a warm-up.")
     if args.group_size < 2 or args.group_size % args.microbatch:
@@ -186,6 +256,9 @@ def main():
     test_split = Path(args.data_dir) / "gsm8k" / "test.jsonl"
     if not test_split.is_file():
         parser.error(f"no GSM8K test split at {test_split}: --data_dir names the folder holding gsm8k/test.jsonl.")
+    models.resolve_model(args.model)  # a missing --model is one line before anything runs
+    record = check_work(Path(args.work))
+    check_json(args.json, args.overwrite)
     trl_version = check_trl_python(args.trl_python) if args.trl_python else TRL_VERSION
     torch.set_num_threads(args.threads)
     python = Path(shutil.which(args.trl_python) or args.trl_python) if args.trl_python else trl_python(Path(args.trl_venv))
@@ -197,9 +270,9 @@ def main():
         parser.error(f"--question {args.question}: give an index from 0 to {len(raw) - 2} (the next question is "
                      f"the run's held-out split)")
     question_dir = Path(args.work) / "data"
-    (question_dir / "gsm8k").mkdir(parents=True, exist_ok=True)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
     for split, index in (("train", args.question), ("test", args.question + 1)):
-        (question_dir / "gsm8k" / f"{split}.jsonl").write_text(json.dumps(raw[index]) + "\n")
+        write_work_file(Path(args.work), record, f"data/gsm8k/{split}.jsonl", json.dumps(raw[index]) + "\n")
     row = data.load_gsm8k("train", str(question_dir))[0]
     tokenizer = models.load_tokenizer(args.model)
     [prompt], [prompt_ids] = build_prompts(tokenizer, [row], "r1_zero")
@@ -261,4 +334,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # a missing model or data file: one line, as the project's scripts say it
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # the TRL side's child got the same Ctrl-C and ended; our side stops in its own way
+        sys.exit("\n[bench] interrupted (Ctrl-C): the side in progress was stopped; no table and no --json written.")

@@ -445,6 +445,15 @@ def joined(argv: list[str], flag: str) -> list[str]:
     return out
 
 
+def refuse_driver_flags(parser, rl_flags: str, command: list[str]):
+    """--rl_flags may not set a flag the driver's RL `command` sets, nor --overwrite or --resume: one line."""
+    clash = sorted(({word for word in command if word.startswith("--")} | {"--overwrite", "--resume"}) &
+                   {word.split("=")[0] for word in rl_flags.split() if word.startswith("--")})
+    if clash:
+        parser.error(f"--rl_flags may not set {', '.join(clash)}: the driver sets {'it' if len(clash) == 1 else 'them'} "
+                     f"(its folders, steps and evaluations; see --rl_steps, --limit, --seeds, --out, --overwrite)")
+
+
 def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -469,12 +478,7 @@ def parse_args(argv: list[str] | None = None):
         parser.error("--sft_examples must be a positive multiple of 8 (one SFT step takes 8)")
     if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
         parser.error("--seeds must be distinct numbers from 0")
-    driver_sets = {word for word in rl_command(0, Path(), Path(), 1, 1, args.rl_backend, "") if word.startswith("--")}
-    clash = sorted((driver_sets | {"--overwrite", "--resume"}) &
-                   {word.split("=")[0] for word in args.rl_flags.split() if word.startswith("--")})
-    if clash:
-        parser.error(f"--rl_flags may not set {', '.join(clash)}: the driver sets {'it' if len(clash) == 1 else 'them'} "
-                     f"(its folders, steps and evaluations; see --rl_steps, --limit, --seeds, --out, --overwrite)")
+    refuse_driver_flags(parser, args.rl_flags, rl_command(0, Path(), Path(), 1, 1, args.rl_backend, ""))
     args.out = Path(args.out).resolve()  # the stages run in ROOT: their paths must not depend on where this one started
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} is a file: name a folder")

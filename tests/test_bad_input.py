@@ -410,6 +410,19 @@ def test_answers_longer_than_the_models_context_are_refused_before_weights_load(
         {"evaluate": evaluate, "train_rl": train_rl}[script].main(args)
 
 
+def test_a_prompt_longer_than_the_context_names_its_question_instead_of_an_answer_length_of_0(tiny_model_dir,
+                                                                                                 tokenizer):
+    """A 90,102-token prompt once got `lower the answer length to at most 0`."""
+    rows = [{"question": "What is 1 + 1?", "answer": "2"}, {"question": "Long story. " + "word " * 3000, "answer": "1"}]
+    with pytest.raises(UserError) as refused:
+        evaluate.check_context(None, tokenizer, rows, "r1_zero", False, 1, tiny_model_dir)
+    message = str(refused.value)
+    assert "shorten or drop the question starting 'Long story. word word" in message, message
+    assert "its prompt alone fills the 2048 tokens" in message and "at most 0" not in message
+    with pytest.raises(UserError, match=r"raise it to at least \d+, or shorten or drop the question starting 'Long"):
+        evaluate.check_context(4000, tokenizer, rows, "r1_zero", False, 2000, tiny_model_dir)
+
+
 @pytest.mark.parametrize("cls, argv, moot", [
     (EvalArgs, ["--temperature", "0", "--top_p", "0.5"], "--top_p 0.5 has no effect with --temperature 0"),
     (EvalArgs, ["--tool_timeout", "3"], "--tool_timeout 3.0 has no effect outside --rollout_mode tir"),

@@ -229,6 +229,121 @@ def test_rl_step_refuses_a_bad_flag_before_any_run(argv, message, tmp_path):
     assert not (tmp_path / "work").exists()  # nothing of either side ran
 
 
+def gsm8k_rows(folder: Path, count: int) -> Path:
+    (folder / "gsm8k").mkdir(parents=True, exist_ok=True)
+    for split in ("train", "test"):
+        (folder / "gsm8k" / f"{split}.jsonl").write_text("".join(
+            json.dumps({"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}) + "\n"
+            for i in range(count)))
+    return folder
+
+
+def fake_trl_python(folder: Path, run: str) -> str:
+    """A stand-in for a Python that imports TRL: it says TRL's version, and runs `run` (shell) as the TRL side."""
+    fake = folder / "trl_python"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then echo 1.16.0; exit 0; fi\n{run}\n')
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def rl_step(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "bench/rl_step.py", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, **kwargs)
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() if p.is_file() else None for p in folder.rglob("*")}
+
+
+def test_rl_step_writes_only_into_a_folder_it_made(tiny_model_dir, tmp_path):
+    """--work DIR holding a copy of GSM8K in DIR/data and DIR/ours-0/my_results.txt: the bench cut the copy to one
+    line and deleted the results (`--work /work/shared` would have destroyed the shared data); --json replaced any
+    file; a missing --model was a traceback."""
+    data_dir = gsm8k_rows(tmp_path / "data", 5)
+    work = tmp_path / "work"
+    gsm8k_rows(work / "data", 7)
+    (work / "ours-0").mkdir()
+    (work / "ours-0" / "my_results.txt").write_text("mine")
+    before = snapshot(work)
+    base = ["--steps", "2", "--rounds", "1", "--max_tokens", "2", "--group_size", "2", "--microbatch", "2",
+            "--data_dir", str(data_dir), "--trl_python", fake_trl_python(tmp_path, "exit 1")]
+    done = rl_step([*base, "--model", tiny_model_dir, "--work", str(work)])
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert f"error: --work {work} holds files this bench did not write" in done.stderr.strip().splitlines()[-1]
+    assert snapshot(work) == before
+    (tmp_path / "mine.json").write_text('{"my": "numbers"}')
+    done = rl_step([*base, "--model", tiny_model_dir, "--work", str(tmp_path / "new"), "--json",
+                    str(tmp_path / "mine.json")])
+    assert "error: --json " in done.stderr and "exists and is not a record of this bench" in done.stderr, done.stderr
+    assert (tmp_path / "mine.json").read_text() == '{"my": "numbers"}' and not (tmp_path / "new").exists()
+    done = rl_step([*base, "--model", "/nonexistent", "--work", str(tmp_path / "new")])
+    assert done.returncode != 0 and "Traceback" not in done.stderr and "error: " in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "new").exists()
+
+
+def test_rl_step_reuses_only_what_it_wrote_in_its_own_folder(tmp_path):
+    import rl_step
+    work = tmp_path / "work"
+    assert rl_step.check_work(work) == {} and rl_step.check_work(tmp_path / "work") == {}
+    work.mkdir()
+    record = rl_step.check_work(work)
+    rl_step.write_work_file(work, record, "data/gsm8k/train.jsonl", '{"question": "q"}\n')
+    (work / "ours-0").mkdir()
+    for name in ("config.json", "metrics.jsonl", ".lock"):
+        (work / "ours-0" / name).write_text("{}")
+    assert rl_step.check_work(work)["files"] == record["files"]  # its own: used again
+    (work / "data" / "gsm8k" / "train.jsonl").write_text("a user's copy of GSM8K\n" * 3)
+    with pytest.raises(SystemExit, match=r"holds files this bench did not write \(data/gsm8k/train.jsonl \(changed "
+                                         r"since this bench wrote it\)\)"):
+        rl_step.check_work(work)
+    rl_step.write_work_file(work, record, "data/gsm8k/train.jsonl", '{"question": "q"}\n')
+    (work / "ours-0" / "my_results.txt").write_text("mine")
+    (work / "data" / "gsm8k" / "test.jsonl").write_text("mine")
+    with pytest.raises(SystemExit, match=r"\(data/gsm8k/test.jsonl, ours-0/my_results.txt\): move them out"):
+        rl_step.check_work(work)
+    (work / "ours-0" / "my_results.txt").unlink()
+    (work / "data" / "gsm8k" / "test.jsonl").unlink()
+    (work / rl_step.RECORD).write_text("{")  # a damaged record: nothing in the folder is known for the bench's
+    with pytest.raises(SystemExit, match="no record .rl_step.json of its own there"):
+        rl_step.check_work(work)
+    (work / rl_step.RECORD).unlink()
+    with pytest.raises(SystemExit, match="no record .rl_step.json of its own there"):
+        rl_step.check_work(work)
+    mine = tmp_path / "mine.json"
+    mine.write_text('{"my": 1}')
+    with pytest.raises(SystemExit, match="exists and is not a record of this bench: name another file, or add "
+                                         "--overwrite"):
+        rl_step.check_json(str(mine), False)
+    rl_step.check_json(str(mine), True)
+    mine.write_text(json.dumps({"medians": {}, "floors": {}, "ratio_trl_over_ours": {}, "device": "cpu"}))
+    rl_step.check_json(str(mine), False)  # the bench's own record: replaced
+
+
+def test_rl_step_says_in_one_line_that_a_ctrl_c_during_the_trl_side_interrupted_it(tiny_model_dir, tmp_path):
+    """It ended in a KeyboardInterrupt traceback. The TRL side here is a stand-in Python that waits."""
+    fake = fake_trl_python(tmp_path, "exec sleep 120")
+    work = tmp_path / "work"
+    bench = subprocess.Popen(
+        [sys.executable, "bench/rl_step.py", "--steps", "2", "--rounds", "1", "--max_tokens", "2", "--group_size", "2",
+         "--microbatch", "2", "--data_dir", str(gsm8k_rows(tmp_path / "data", 3)), "--trl_python", fake,
+         "--model", tiny_model_dir, "--work", str(work)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal, also in a background job
+    try:
+        for line in bench.stdout:
+            if line.startswith("[bench] round 1 ours:"):
+                break
+        time.sleep(1)
+        os.killpg(bench.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+        err = bench.communicate(timeout=60)[1]
+    finally:
+        bench.kill()
+    assert bench.returncode != 0 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == ("[bench] interrupted (Ctrl-C): the side in progress was stopped; no table "
+                                            "and no --json written.")
+    assert sorted(p.name for p in work.iterdir()) == [".rl_step.json", "data", "ours-0"]  # no trl-0
+
+
 # ----------------------------------------------------------------------------- bench/gpu_pass.py prepare (3)
 
 @pytest.fixture

@@ -72,3 +72,30 @@ def test_bad_flags_fail_with_a_sentence(capsys):
         parse(EvalArgs, ["--limit", "-1"])
     with pytest.raises(ValueError, match="does not exist here; available: cpu"):
         ev.main(EvalArgs(device="cuda:3", limit=1))
+
+
+def test_pass_at_k_reads_answer_reward_and_a_reward_of_ones_own_has_no_majority(tokenizer, tmp_path):
+    """pass@k: some sample has answer_reward 1 (correctness), absent when the reward reports none; maj@k with a
+    --reward_fn is absent: the toolkit cannot know how the user's reward reads an answer (its extractor and exact
+    match once gave maj 0.0 beside a reward of 1.0 on every answer)."""
+    from alignment.args import EvalArgs
+    (tmp_path / "r.py").write_text(
+        "def one(response, ground_truth, **columns):\n    return 1.0\n"
+        "def half(response, ground_truth, **columns):\n    return {'reward': 0.5, 'answer_reward': 1.0}\n")
+    sampler = CannedSampler([["a", "b"], ["c", "d"]])
+    rows = [{"question": "q", "answer": "18"}] * 2
+    for name, expected_pass in (("one", None), ("half", 1.0)):
+        score = ev.make_scorer(EvalArgs(reward_fn=f"{tmp_path / 'r.py'}:{name}", reward_timeout=5.0))
+        try:
+            summary, _ = ev.evaluate(sampler, tokenizer, rows, "r1_zero", SamplingParams(n=2, temperature=1.0),
+                                     score=score)
+        finally:
+            score.user_reward.close()
+        assert summary["pass@2"] == expected_pass and summary["maj@2"] is None
+    from alignment import tir  # the TIR reward: answer_reward is correctness, whatever the penalty does to reward
+    right = " \\boxed{18}"
+    score = lambda trace_row, row: tir.tir_reward_fn(trace_row.text, row["answer"], exec_penalty=0.5,  # noqa: E731
+                                                     exec_failed=True)
+    summary, _ = ev.evaluate(CannedSampler([[right, "x"], [right, right]]), tokenizer, rows, "question_only",
+                             SamplingParams(n=2, temperature=1.0), score=score)
+    assert summary["pass@2"] == 1.0 and summary["maj@2"] == 1.0

@@ -112,6 +112,8 @@ FORMAT_CASES = [  # (response, ground truth, (format_reward, answer_reward, rewa
     ("</think> <answer>\\boxed{(1,2)}</answer>", "(1,2)", (1, 1, 1)),
     ("</think> <answer>18</answer>", ["17", "18"], (1, 1, 1)),
     ("</think> <answer>18</answer>", 18, (1, 1, 1)),
+    ("</think> <answer></answer>", "", (1, 0, 0)),  # an empty gold matches nothing, not an empty answer
+    ("</think> <answer> </answer>", " ", (1, 0, 0)), ("</think> <answer>$</answer>", "$.", (1, 0, 0)),
 ]
 
 

@@ -1,7 +1,9 @@
 """Your own questions, prompt and reward (issue 75): files of rows with their own columns, a prompt template of
 your own, a reward of your own run in a bounded-time worker (hangs, raises and nonsense score 0, counted)."""
 
+import hashlib
 import json
+import re
 import textwrap
 
 import pytest
@@ -99,6 +101,11 @@ def test_own_data_flags_are_checked_when_parsed(own, capsys):
              (EvalArgs, ["--dataset", str(own / "none.jsonl")], "none.jsonl does not exist")]
     (own / "bare.prompt").write_text("Answer this.")
     cases.append((EvalArgs, ["--prompt_file", str(own / "bare.prompt")], "has no {question}"))
+    (own / "rw.txt").write_text("def f(response, ground_truth, **columns):\n    return 1.0\n")
+    for where in (own / "rw.txt", own / "rw", "examples/tolerance/reward"):  # not a .py file, not a module name
+        cases.append((RLArgs, ["--reward_fn", f"{where}:f"], "is neither a .py file nor a module name"))
+    cases.append((EvalArgs, ["--reward_fn", f"{own / 'rewards.py'}:exact", "--reward_timeout", "1e12"],
+                  "--reward_timeout 1e+12 is above the largest, 86400 s"))
     for cls, argv, message in cases:
         with pytest.raises(SystemExit):
             parse(cls, argv)
@@ -130,6 +137,73 @@ def test_a_reward_of_ones_own_scores_in_a_worker_and_never_stops_the_run(own):
         UserReward(f"{own / 'rewards.py'}:missing", timeout=1.0)
 
 
+def test_a_reward_that_cannot_be_found_or_loaded_is_one_line(own):
+    """A module that is not there, and a file whose import exits, each end in one line saying so."""
+    from alignment.user_reward import source_hash
+    for spec in ("nosuchpkg.mod:f", "nosuchmodule:f"):
+        with pytest.raises(UserError, match="no module nosuch.* is importable here"):
+            source_hash(spec)
+        with pytest.raises(UserError, match="no module nosuch.* is importable here"):
+            UserReward(spec, timeout=1.0)
+    (own / "exits.py").write_text("import sys\nsys.exit('no GPU here')\n")
+    with pytest.raises(UserError, match=r"cannot load it \(its import raised SystemExit: no GPU here\)"):
+        UserReward(f"{own / 'exits.py'}:f", timeout=1.0)
+    (own / "dies.py").write_text("import os\nos._exit(4)\n")
+    with pytest.raises(UserError, match=r"the worker ended \(exit status 4\) while importing it"):
+        UserReward(f"{own / 'dies.py'}:f", timeout=1.0)
+
+
+NUMBERS = textwrap.dedent('''
+    import numpy
+
+    def numpy_half(response, ground_truth, **columns):
+        return {"reward": numpy.float32(0.5), "answer_reward": numpy.bool_(True), "format_reward": numpy.int64(1)}
+''')
+
+
+@pytest.mark.parametrize("value, expected", [
+    (0.5, {"reward": 0.5}), (1, {"reward": 1.0}), (True, {"reward": 1.0}), ("np.float32(0.5)", {"reward": 0.5}),
+    ("np.float64(0.25)", {"reward": 0.25}), ("np.int8(-1)", {"reward": -1.0}), ("np.bool_(False)", {"reward": 0.0}),
+    ("np.array(0.5)", {"reward": 0.5}), ({"reward": 1, "answer_reward": False}, {"reward": 1.0, "answer_reward": 0.0}),
+    (None, "the return value is null, not a real number"), ("0.5", "the return value is \"0.5\", not a real number"),
+    (float("nan"), "not a finite number"), (complex(1, 0), "not a real number"), ("np.array([1.0])", "not a real number"),
+    ("np.float32('inf')", "not a finite number"),
+])
+def test_a_reward_may_return_any_real_number(value, expected):
+    """numpy scalars, ints and bools (a 0/1 reward) are numbers; text, None, complex, NaN and arrays are not."""
+    import numpy as np
+    from alignment.user_reward import _checked
+    value = eval(value, {"np": np}) if isinstance(value, str) and value.startswith("np.") else value
+    if isinstance(expected, dict):
+        assert _checked(value) == expected and all(type(v) is float for v in _checked(value).values())
+    else:
+        with pytest.raises(TypeError, match=expected):
+            _checked(value)
+
+
+def test_numpy_numbers_come_back_through_the_worker(own):
+    (own / "numbers.py").write_text(NUMBERS)
+    reward = UserReward(f"{own / 'numbers.py'}:numpy_half", timeout=5.0)
+    try:
+        assert reward("x", "1", {}) == {"reward": 0.5, "format_reward": 1.0, "answer_reward": 1.0, "reward_failed": 0.0}
+        assert reward.errors == []
+    finally:
+        reward.close()
+
+
+def test_a_column_named_as_a_reward_argument_is_refused_before_the_model_loads(own, tiny_model_dir, tmp_path,
+                                                                                 monkeypatch):
+    """`response` or `ground_truth` as a column would collide with the reward's own arguments."""
+    (own / "clash.jsonl").write_text("".join(json.dumps({**row, "response": "x"}) + "\n" for row in ROWS))
+    monkeypatch.setattr(evaluate.models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(UserError, match="has a column named response, which would collide with the reward's own "
+                                        "argument response .*: rename the column"):
+        evaluate.main(EvalArgs(model=tiny_model_dir, dataset=str(own / "clash.jsonl"), question_key="problem",
+                               answer_key="gold", reward_fn=f"{own / 'rewards.py'}:exact",
+                               output_dir=str(tmp_path / "e")))
+    assert not (tmp_path / "e").exists()
+
+
 def test_evaluate_on_ones_own_file_prompt_and_reward(own, tiny_model_dir, tmp_path):
     """The reward sees the row's other columns, the prompt fills them in, a part the reward does not return is
     absent (None), not 0, and a failing call is counted."""
@@ -147,6 +221,12 @@ def test_evaluate_on_ones_own_file_prompt_and_reward(own, tiny_model_dir, tmp_pa
     odd = sum(int(r["answer"]) % 2 for r in data.load_dataset(str(own / "rows.jsonl"), "test", question_key="problem",
                                                                 answer_key="gold"))
     assert summary["reward_failures"] == odd > 0
+    (own / "fails.py").write_text("def always_fails(response, ground_truth, **columns):\n    return None\n")
+    with pytest.raises(UserError, match="failed on every answer .*, first: TypeError: the return value is null"):
+        evaluate.main(EvalArgs(model=tiny_model_dir, dataset=str(own / "rows.jsonl"), question_key="problem",
+                               answer_key="gold", max_tokens=2, reward_fn=f"{own / 'fails.py'}:always_fails",
+                               output_dir=str(tmp_path / "fails")))
+    assert not (tmp_path / "fails").exists()  # no summary that reads like a score of 0
 
 
 PARITY = textwrap.dedent('''
@@ -226,3 +306,217 @@ def test_sft_reads_the_same_formats_with_its_own_column_names(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse(SFTArgs, ["--prompt_key", "q"])
     assert "--prompt_key q has no effect without --train_file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, content, row", [
+    ("e.csv", "question,answer\nWhat is 1+1?,2\nWhat is 2+2?,\n", 2),  # an empty gold would reward an empty answer
+    ("e.jsonl", '{"question": "a?", "answer": "  "}\n', 1),
+    ("e.jsonl", '{"question": "a?", "answer": 2}\n{"question": "b?", "answer": true}\n', 2),
+    ("e.json", '[{"question": "a?", "answer": NaN}]', 1),
+    ("nan.parquet", None, 2),
+])
+def test_an_empty_boolean_or_nan_answer_is_refused_naming_the_file_and_row(tmp_path, name, content, row):
+    path = tmp_path / name
+    if content is None:
+        import pyarrow
+        import pyarrow.parquet
+        pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"question": "a?", "answer": 1.5},
+                                                               {"question": "b?", "answer": float("nan")}]), path)
+    else:
+        path.write_text(content)
+    with pytest.raises(UserError, match=rf"{name}: row {row} needs a non-empty text question and a non-empty text or "
+                                        rf"finite number answer"):
+        data.load_dataset(str(path), "all")
+    (tmp_path / "ok.json").write_text('[{"question": "a?", "answer": 2.5}, {"question": "b?", "answer": " x "}]')
+    assert [r["answer"] for r in data.load_dataset(str(tmp_path / "ok.json"), "all")] == ["2.5", " x "]
+
+
+def test_a_question_that_differs_only_in_whitespace_is_held_out_with_its_twin(tmp_path):
+    questions = [f"What is {a} + {b}?" for a in range(20) for b in range(20)]
+    variants = [text for q in questions for text in (q, q + " ", "  " + q, q.replace(" + ", "  +\t"))]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in variants))
+    train, test = (data.load_dataset(str(tmp_path / "rows.jsonl"), split) for split in ("train", "test"))
+    assert len(train) + len(test) == len(variants) and test
+    assert not {" ".join(r["question"].split()) for r in train} & {" ".join(r["question"].split()) for r in test}
+    # the split of normalised text is the raw text's: the tolerance example's published 30 held-out questions stay
+    example = data.load_dataset(str(data.REPO_ROOT / "examples" / "tolerance" / "questions.jsonl"), "test")
+    held = "\n".join(r["question"] for r in example)
+    assert len(example) == 30 and hashlib.sha256(held.encode()).hexdigest()[:16] == "738175baac221b77"  # before the change too
+
+
+def test_rl_leaves_out_an_evaluation_question_that_differs_only_in_whitespace(tmp_path):
+    """Between --dataset and --eval_dataset (here folders with named splits: the hash cannot part them)."""
+    import datasets
+    from alignment.train_rl import load_questions
+    train = [{"question": q, "answer": "1"} for q in ("What is 13 + 19? ", "What  is 1 + 1?", "What is 2 + 2?")]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train)}).save_to_disk(str(tmp_path / "train"))
+    datasets.DatasetDict({"test": datasets.Dataset.from_list([{"question": "What is 13 + 19?", "answer": "32"}])}
+                         ).save_to_disk(str(tmp_path / "eval"))
+    lines = []
+    kept, evaluated, _ = load_questions(RLArgs(dataset=str(tmp_path / "train"), eval_dataset=str(tmp_path / "eval"),
+                                               rollout_batch_size=2, group_size=2), lines.append)
+    assert [r["question"] for r in kept] == ["What  is 1 + 1?", "What is 2 + 2?"] and len(evaluated) == 1
+    assert "1 of 3 training questions are among the 1 evaluation questions" in lines[-1]
+
+
+def test_rl_says_which_split_of_an_eval_file_it_evaluates_and_names_the_eval_flag(own, tmp_path):
+    from alignment.train_rl import load_questions
+    lines = []
+    flags = dict(question_key="problem", answer_key="gold", rollout_batch_size=2, group_size=2)
+    _, evaluated, _ = load_questions(RLArgs(dataset=str(own / "rows.jsonl"), eval_dataset=str(own / "rows.jsonl"),
+                                            **flags), lines.append)
+    assert any(f"evaluated: the test split of {own / 'rows.jsonl'} (one question in 10, by a hash of the question"
+               in line and f"{len(evaluated)} questions" in line for line in lines), lines
+    (tmp_path / "q.jsonl").write_text('{"question": "a?", "answer": "1"}\n')
+    with pytest.raises(UserError, match=rf"^--eval_dataset {tmp_path / 'q.jsonl'} has no column problem, gold"):
+        load_questions(RLArgs(dataset=str(own / "rows.jsonl"), eval_dataset=str(tmp_path / "q.jsonl"), **flags))
+
+
+def test_an_unknown_split_is_refused_naming_the_choices(own, tmp_path, monkeypatch):
+    with pytest.raises(UserError, match=r"--split tset is not a split of .*rows.jsonl; choose test \(its held-out "
+                                        r"tenth\), train or all"):
+        data.load_dataset(str(own / "rows.jsonl"), "tset", question_key="problem", answer_key="gold")
+    monkeypatch.setenv("ALIGNMENT_GSM8K_URL", (tmp_path / "nowhere").as_uri())  # no network in a test
+    with pytest.raises(UserError, match=r"^gsm8k has the splits train and test, not 'tset'"):
+        data.load_dataset("gsm8k", "tset", str(tmp_path / "no-data"))
+    assert not (tmp_path / "no-data").exists()
+
+
+@pytest.mark.parametrize("content, keys, message", [
+    ("question,answer\nWhat is 1+1?,2\nWhat is 2+2?,4,extra\n", {},
+     r"rows.csv:3 has 3 fields but the header names 2 \(question, answer\)"),
+    ("question,answer\nWhat is 1+1?,2\n", {"answer_key": "question"},
+     r"--question_key and --answer_key both name the column question"),
+])
+def test_a_bad_csv_row_or_one_column_for_both_is_one_line(tmp_path, content, keys, message):
+    (tmp_path / "rows.csv").write_text(content)
+    with pytest.raises(UserError, match=message):
+        data.load_dataset(str(tmp_path / "rows.csv"), "all", **keys)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
+    """Excel saves CSV with a UTF-8 BOM; its first column's name once began with it."""
+    rows = [{"question": "What is 1+1?", "answer": "2"}]
+    (tmp_path / "rows.csv").write_text("question,answer\nWhat is 1+1?,2\n", encoding="utf-8-sig")
+    (tmp_path / "rows.json").write_text(json.dumps(rows), encoding="utf-8-sig")
+    (tmp_path / "rows.jsonl").write_text(json.dumps(rows[0]) + "\n", encoding="utf-8-sig")
+    for name in ("rows.csv", "rows.json", "rows.jsonl"):
+        assert [{k: r[k] for k in ("question", "answer")} for r in data.load_dataset(str(tmp_path / name), "all")] == rows
+
+
+def test_an_empty_jsonl_says_what_a_line_must_hold(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(UserError, match=r"empty.jsonl holds no rows; fix the file: each line must be one JSON "
+                                        r"object, one row per question\.$"):
+        data.load_dataset(str(tmp_path / "empty.jsonl"), "all")
+
+
+@pytest.mark.parametrize("name", ["pairs.csv", "pairs.json", "pairs.parquet", "pairs.jsonl"])
+def test_sft_refuses_a_row_with_nothing_to_train_on_in_every_format(tmp_path, name):
+    """The empty row crashed the model's forward from CSV, JSON and parquet; JSONL refused it: one rule for all."""
+    import pyarrow
+    import pyarrow.parquet
+    pairs = [{"prompt": "p", "response": ""}, {"prompt": "", "response": ""}]
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pyarrow.parquet.write_table(pyarrow.Table.from_pylist(pairs), path)
+    else:
+        path.write_text({"pairs.csv": "prompt,response\np,\n,\n", "pairs.json": json.dumps(pairs),
+                         "pairs.jsonl": "".join(json.dumps(p) + "\n" for p in pairs)}[name])
+    where = ":2: prompt and response" if name.endswith(".jsonl") else ": row 2: prompt and response"
+    with pytest.raises(UserError, match=rf"{name}{where} are empty, nothing to train on"):
+        data.load_pairs(str(path))
+
+
+def test_the_step_line_says_absent_for_a_reward_part_the_user_reward_does_not_return():
+    """train_rl printed `fmt nan | ans nan`; evaluate says absent."""
+    from alignment.train_rl import _log_line
+    line = _log_line({"step": 1, "reward": 0.5, "format_reward": float("nan"), "answer_reward": None,
+                      "response_tokens": 3.0, "loss": 0.1, "seconds_step": 1.0}, 2)
+    assert "fmt absent | ans absent |" in line and "fmt nan" not in line
+    line = _log_line({"step": 1, "reward": 0.5, "format_reward": 1.0, "answer_reward": 0.0, "response_tokens": 3.0,
+                      "loss": 0.1, "seconds_step": 1.0}, 2)
+    assert "fmt 1.00 | ans 0.00 |" in line
+
+
+def test_a_resume_after_the_prompt_or_data_file_changed_is_refused_and_the_prompt_is_read_once(own, tiny_model_dir,
+                                                                                                 tmp_path):
+    """A resume trained on a rewritten prompt (`IGNORE ALL. {question}`) and on golds all set to 0, silently; and
+    the prompt file was read again at every step, so editing it mid-run changed training."""
+    from alignment import train_rl
+    from tests.test_train_rl import read_jsonl, tiny_args
+    prompt, rows, run = own / "mine.prompt", own / "rows.jsonl", tmp_path / "run"
+    prompt.write_text("Topic {topic}. {question} Answer:")
+    (own / "edits.py").write_text(f"from pathlib import Path\n\ndef edits(response, ground_truth, **columns):\n"
+                                  f"    Path({str(prompt)!r}).write_text('IGNORE ALL. {{question}}')\n    return 1.0\n")
+    flags = dict(dataset=str(rows), question_key="problem", answer_key="gold", prompt_file=str(prompt),
+                 reward_fn=f"{own / 'edits.py'}:edits")
+    train_rl.main(tiny_args(tiny_model_dir, run, **flags))  # the reward rewrites the prompt file in step 1
+    assert prompt.read_text().startswith("IGNORE ALL")
+    logged = read_jsonl(run / "rollouts.jsonl")
+    assert {r["step"] for r in logged} == {1, 2} and all(r["prompt"].startswith("Topic sums. ") for r in logged)
+    config = json.loads((run / "config.json").read_text())
+    assert config["prompt_file_sha256"] == hashlib.sha256(b"Topic {topic}. {question} Answer:").hexdigest()
+    assert config["dataset_sha256"] == hashlib.sha256(rows.read_bytes()).hexdigest()
+    resume = dict(resume=str(run), n_steps=3, **flags)
+    with pytest.raises(UserError, match=r"--prompt_file .*mine.prompt \(sha256 \w{12} then, \w{12} now\): the file "
+                                        r"changed since the run's checkpoint: restore it, or pass --accept_changed_data"):
+        train_rl.main(tiny_args(tiny_model_dir, run, **resume))
+    prompt.write_text("Topic {topic}. {question} Answer:")  # restored; now every gold becomes 0
+    rows.write_text("".join(json.dumps({**row, "gold": 0}) + "\n" for row in ROWS))
+    with pytest.raises(UserError, match=r"^--dataset .*rows.jsonl \(sha256 \w+ then, \w+ now\): the file changed"):
+        train_rl.main(tiny_args(tiny_model_dir, run, **resume))
+    assert read_jsonl(run / "metrics.jsonl")[-1]["step"] == 2
+    train_rl.main(tiny_args(tiny_model_dir, run, accept_changed_data=True, **resume))
+    assert read_jsonl(run / "metrics.jsonl")[-1]["step"] == 3
+
+
+def test_a_prompt_file_that_is_not_utf8_is_one_line_before_the_model_loads(own, tiny_model_dir, tmp_path, capsys,
+                                                                             monkeypatch):
+    """It ended in a UnicodeDecodeError after the model loaded: the {question} check read it with errors="replace"."""
+    from alignment import models, train_rl
+    from tests.test_train_rl import tiny_args
+    bad = own / "latin1.prompt"
+    bad.write_bytes(b"Topic {topic}.\nQ: {question} caf\xe9\n")
+    message = rf"--prompt_file {bad} is not UTF-8 text: byte 0xe9 at line 2 \(byte 32\); save the file as UTF-8"
+    with pytest.raises(SystemExit):
+        parse(RLArgs, ["--prompt_file", str(bad)])
+    assert re.search(message, capsys.readouterr().err)
+    for name in ("load_model", "load_policy", "load_policy_model"):
+        monkeypatch.setattr(models, name, lambda *a, **k: pytest.fail("the model loaded"))
+    flags = dict(dataset=str(own / "rows.jsonl"), question_key="problem", answer_key="gold", prompt_file=str(bad))
+    with pytest.raises(UserError, match=message):
+        evaluate.main(EvalArgs(model=tiny_model_dir, max_tokens=2, output_dir=str(tmp_path / "e"), **flags))
+    with pytest.raises(UserError, match=message):
+        train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", **flags))
+    assert not (tmp_path / "e").exists() and not (tmp_path / "run").exists()
+
+
+def test_a_placeholder_the_data_lacks_is_refused_before_the_model_loads(own, tiny_model_dir, tmp_path, monkeypatch):
+    """`{subject}` stayed in every prompt, literally; `{{` and `}}` write a brace, as in str.format."""
+    from alignment import models
+    (own / "typo.prompt").write_text("Subject {subject}. {question} Answer:")
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(UserError, match=r"--prompt_file has \{subject\}, and the data has no such column \(its columns: "
+                                        r"problem, question, tolerance, topic\): rename it .* or write "
+                                        r"\{\{subject\}\} for the text itself"):
+        evaluate.main(EvalArgs(model=tiny_model_dir, dataset=str(own / "rows.jsonl"), question_key="problem",
+                               answer_key="gold", prompt_file=str(own / "typo.prompt"), max_tokens=2,
+                               output_dir=str(tmp_path / "e")))
+    assert data.format_prompt("{{subject}} {topic}: {question} \\boxed{} }}", "1 + {topic}?", {"topic": "sums"}) == \
+        "{subject} sums: 1 + {topic}? \\boxed{} }"
+
+
+def test_a_datasets_folder_is_hashed_by_its_files(tmp_path):
+    """A folder saved by `datasets` has no single file to hash: its files' names and bytes are."""
+    from types import SimpleNamespace
+    from alignment.run import _data_hash
+    folder = tmp_path / "saved"
+    (folder / "train").mkdir(parents=True)
+    (folder / "train" / "data-00000-of-00001.arrow").write_bytes(b"rows")
+    (folder / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    args = SimpleNamespace(accept_changed_data=False, prompt_file=None, dataset=str(folder), eval_dataset="gsm8k")
+    before = _data_hash(args)
+    assert list(before) == ["dataset_sha256"] and _data_hash(args) == before  # a built-in set has no file
+    (folder / "train" / "data-00000-of-00001.arrow").write_bytes(b"other rows")
+    assert _data_hash(args) != before

@@ -103,3 +103,37 @@ def test_a_run_folder_that_is_a_file_is_named_as_such(tmp_path):
     (tmp_path / "run").write_text("")
     with pytest.raises(UserError, match="run is a file, not a run folder"):
         plot(tmp_path / "run")
+
+
+def test_an_existing_out_file_is_replaced_only_with_overwrite(tmp_path, capsys):
+    """The tester's `plot <run> --out existing.png` replaced a user's picture; a run's own curves.png is plot's."""
+    import pytest
+    from alignment.errors import UserError
+    from alignment.plot import main, plot
+    run = tmp_path / "run"
+    run.mkdir()
+    _write(run / "metrics.jsonl", [{"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.6}])
+    mine = tmp_path / "existing.png"
+    mine.write_bytes(b"a user's picture")
+    with pytest.raises(UserError, match=r"existing.png already exists: choose another --out, or add --overwrite"):
+        plot(run, mine)
+    with pytest.raises(SystemExit):
+        main([str(run), "--out", str(mine)])
+    assert "error: " in capsys.readouterr().err and mine.read_bytes() == b"a user's picture"
+    main([str(run), "--out", str(mine), "--overwrite"])
+    assert mine.read_bytes() != b"a user's picture"
+    assert plot(run).exists() and plot(run).exists()  # <run>/curves.png, plot's own, is drawn again
+    assert plot(run, run / "curves.png").exists()
+
+
+def test_a_damaged_metrics_line_is_named(tmp_path, capsys):
+    """Only a garbage line said "holds no records yet"; a good line and a garbage one plotted and said nothing."""
+    import pytest
+    from alignment.errors import UserError
+    from alignment.plot import plot
+    (tmp_path / "metrics.jsonl").write_text("garbage\n")
+    with pytest.raises(UserError, match=r"line 1 of .*metrics.jsonl is not JSON \('garbage'\), and the file holds no"):
+        plot(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\ngarbage\n')
+    assert plot(tmp_path).exists()
+    assert "[plot] warning: line 2 of " in capsys.readouterr().out

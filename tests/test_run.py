@@ -78,8 +78,13 @@ def test_resume_restores_state_and_refuses_changed_flags(tmp_path, tiny_model, t
     run.log({"step": 3, "loss": 3.0})  # written after the checkpoint, then the run crashed
 
     (tmp_path / "empty").mkdir()
-    with pytest.raises(MissingFileError, match="has no trainer_state.pt"):
-        Run(Flags(resume=str(tmp_path / "empty")), "unused", None)
+    (tmp_path / "evaluated").mkdir()  # an evaluate output folder (or a user's) once said `checkpoint has no ...`
+    for name in ("summary.json", "results.jsonl"):
+        (tmp_path / "evaluated" / name).write_text("{}\n")
+    for folder in ("empty", "evaluated"):
+        with pytest.raises(MissingFileError, match=f"--resume .*{folder}: the folder holds no run of alignment.Flags"):
+            Run(Flags(resume=str(tmp_path / folder)), "unused", None)
+        assert not (tmp_path / folder / ".lock").exists()  # refused before anything is written into it
     with pytest.raises(UserError, match=r"these differ: --lr 0.2 \(the run's: 0.1\)"):  # both values named
         Run(Flags(resume=str(tmp_path / "run"), lr=0.2), "unused", None, resumable={"n_steps"})
     config = tmp_path / "run" / "checkpoint" / "run_config.json"  # saved before `lr` existed: its default holds

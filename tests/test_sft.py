@@ -142,7 +142,7 @@ def test_resume_continues_at_the_right_step(tiny_model_dir, data_dir, tmp_path, 
     with pytest.raises(FileNotFoundError, match="no such run folder"):
         sft.main(tiny_args(tiny_model_dir, tmp_path / "empty", resume=str(tmp_path / "empty")))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="has no trainer_state.pt"):
+    with pytest.raises(FileNotFoundError, match="the folder holds no run of alignment.sft"):
         sft.main(tiny_args(tiny_model_dir, tmp_path / "empty", resume=str(tmp_path / "empty")))
 
 

@@ -409,7 +409,7 @@ def test_weights_are_pushed_once_per_policy_version():
 @pytest.mark.parametrize("argv,message", [
     (["--model", "nobody/no-such-model"], "could not be fetched from the Hugging Face hub"),
     (["--dataset", "no_such_set"], "unknown dataset 'no_such_set'"),
-    (["--resume", "{tmp}/empty"], "has no trainer_state.pt"),
+    (["--resume", "{tmp}/empty"], "empty: the folder holds no run of alignment.train_rl"),
     (["--dataset", "gsm8k", "--data_dir", "{tmp}/data"], "is not valid JSON"),
 ])
 def test_user_errors_end_in_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys, argv, message):
