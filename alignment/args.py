@@ -313,7 +313,11 @@ class OwnDataArgs:
                                  for name in ("question_key", "answer_key")}
         reward = {} if self.reward_fn else {name: "without --reward_fn" for name in ("reward_timeout", "accept_changed_reward")}
         data = {} if files or self.prompt_file else {"accept_changed_data": "without --prompt_file or a --dataset file"}
-        return {**keys, **reward, **data}
+        # what a resume compares: moot in a run that starts afresh, and in evaluate, which never resumes
+        fresh = {} if getattr(self, "resume", None) else {name: "without --resume (it accepts a file changed since "
+                                                          "the run's checkpoint)" for name in ("accept_changed_reward",
+                                                                                               "accept_changed_data")}
+        return {**keys, **fresh, **reward, **data}
 
     def check_own_data(self):
         if self.prompt_file:

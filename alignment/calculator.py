@@ -49,7 +49,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 from alignment import data, tir
-from alignment.errors import cli
+from alignment.errors import UserError, cli
 from alignment.sandbox import ExecResult, Sandbox
 
 ANNOTATION = re.compile(r"<<([^<>]*)>>")  # GSM8K's `<<48/2=24>>`
@@ -211,19 +211,37 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m alignment.calculator", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="run every converted block of GSM8K train in the "
-                        "sandbox and print how many solutions are kept and dropped, by reason")
-    parser.add_argument("--show", type=int, default=None, help="print converted train solution N")
+                        "sandbox and print how many solutions are kept and dropped, by reason (a few minutes)")
+    parser.add_argument("--show", type=_index, default=None, help="print converted train solution N (0 to 7,472)")
     parser.add_argument("--data_dir", default=None, help="data folder (default $ALIGNMENT_DATA_DIR or dataset/)")
-    parser.add_argument("--workers", type=int, default=None, help="sandbox processes (default: one per core)")
-    cli(_main, parser.parse_args(argv))
+    parser.add_argument("--workers", type=_index, default=None, help="sandbox processes, from 1 (default: one per core)")
+    args = parser.parse_args(argv)
+    if not args.check and args.show is None:
+        parser.error("say what to do: --check (every block run in the sandbox, a few minutes) or --show N")
+    if args.workers is not None and (not args.check or args.workers < 1):
+        parser.error("--workers takes a number from 1, with --check (the sandbox runs only there)")
+    cli(_main, args)
+
+
+def _index(text: str) -> int:
+    """An argparse type: a whole number from 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: give a whole number from 0")
+    return value
 
 
 def _main(args):
     rows = data.load_gsm8k("train", args.data_dir)
     if args.show is not None:
+        if args.show >= len(rows):
+            raise UserError(f"--show {args.show}: GSM8K train has {len(rows)} solutions, 0 to {len(rows) - 1}.")
         print(show(rows[args.show]))
-    if args.check or args.show is None:
-        result = check(rows, args.workers)
+    if args.check:
+        try:
+            result = check(rows, args.workers)
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt("interrupted: the check did not finish and keeps nothing; run it again") from None
         print("\n".join(report(result)))
         if result["mismatches"] or result["max_calls"] > MAX_TOOL_CALLS:
             raise SystemExit(1)

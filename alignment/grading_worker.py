@@ -242,6 +242,10 @@ def _answer(request):
 def _serve():
     import logging
 
+    # a Ctrl-C at the terminal reaches the whole process group: the parent decides what stops (a training step
+    # is finished and saved first, and needs its grades); the worker ends when the parent closes its stdin
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     import math_verify  # noqa: F401  (imported once here so every forked child starts warm)
     import sympy  # noqa: F401
 

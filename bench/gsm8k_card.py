@@ -21,6 +21,7 @@ row beside them. A stage not run yet is a "-" cell: `--card` writes the card fro
 """
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -29,10 +30,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from steps_demo import NAME, ROOT, Stage, joined, positive, refuse_driver_flags, run_all
+from steps_demo import NAME, ROOT, Stage, check_flags, joined, positive, read_record, refuse_driver_flags, run_all, times, write_record
 
 from alignment.calculator import MAX_TOOL_CALLS
 from alignment.drgrpo_grader import extract_boxed
+from alignment.errors import UserError
 from alignment.run import read_jsonl
 
 ARMS = {  # arm: (sft flags, flags of RL and evaluation, response budget in tokens)
@@ -155,7 +157,8 @@ def failure_kind(record: dict) -> str:
 
 def write_failures(name: str, records: list[dict], out: Path) -> dict:
     """FAILURES failed answers, spread over the test split (every n-th failure), with their mechanical kind; the
-    tally of those kinds."""
+    tally of those kinds. The file is for reading and labelling: once a reader has edited it (its sha256 is no longer
+    the one this driver recorded in failures.json), it is kept as it is."""
     failed = [r for r in records if not r.get("answer_reward")]
     picked = failed[::max(1, len(failed) // FAILURES)][:FAILURES]
     lines = [f"# {name}: {len(picked)} of {len(failed)} failures", "",
@@ -164,7 +167,14 @@ def write_failures(name: str, records: list[dict], out: Path) -> dict:
         question = r["prompt"].split("User: ", 1)[-1].split("\nAssistant:")[0].strip()
         lines += [f"## problem {r['problem']} ({failure_kind(r)}, gold {r['ground_truth']})", "", question, "",
                   "```", r["response"].strip()[:1500], "```", ""]
-    (out / f"failures-{name}.md").write_text("\n".join(lines))
+    path, known = out / f"failures-{name}.md", read_record(out / "failures.json", lambda v: isinstance(v, str))
+    written = path.read_bytes() if path.exists() else None
+    if written is not None and hashlib.sha256(written).hexdigest() != known.get(name):
+        print(f"{NAME} kept {path}: it is not the list this driver wrote (edited by a reader, or made elsewhere)")
+    else:
+        text = "\n".join(lines)
+        path.write_text(text)
+        write_record(out / "failures.json", {**known, name: hashlib.sha256(text.encode()).hexdigest()})
     return {kind: sum(failure_kind(r) == kind for r in picked) for kind in ("out of tokens", "format", "code error",
                                                                            "wrong answer")}
 
@@ -205,8 +215,15 @@ def cell(value, digits: int = 3) -> str:
 
 def write_card(args, out: Path, seconds: dict):
     """The report card: one row per trained model and arm; nanochat's rows beside them."""
-    lines = [f"GSM8K test, greedy, all {args.limit or 1319} problems: answer rate [95% Wilson interval], format rate; "
-             f"pass@{K} and maj@{K} at temperature {TEMPERATURE} on the first {args.passk_limit}; SmolLM2-135M-Instruct. "
+    counts = {name: evaluation(name, out) for name in (f"{p}{m}" for p in ("eval-", f"pass{K}-") for arm in args.arms
+                                                          for m in [f"sft-{arm}"] + [f"rl-{arm}-seed{s}" for s in args.seeds])}
+    greedy_n = sorted({e["n"] for name, e in counts.items() if e and name.startswith("eval-")})
+    sampled_n = sorted({e["count"] for name, e in counts.items() if e and name.startswith(f"pass{K}-")})
+
+    def problems(ns: list[int]) -> str:  # what the runs held, not what this call's flags say
+        return "not run yet" if not ns else " / ".join("all 1,319" if n == 1319 else f"the first {n}" for n in ns)
+    lines = [f"GSM8K test, greedy, {problems(greedy_n)} problems: answer rate [95% Wilson interval], format rate; "
+             f"pass@{K} and maj@{K} at temperature {TEMPERATURE} on {problems(sampled_n)}; start model {args.model}. "
              "Tool arm: calls per answer, execution errors, share of code-using answers whose box is none of the "
              "printed numbers. Wall: the stage's own time (its evaluations apart).", "",
              f"| model | arm | answer [95%] | format | pass@{K} | maj@{K} | mean tokens | calls / errors / ignores output "
@@ -214,7 +231,7 @@ def write_card(args, out: Path, seconds: dict):
              "sampled (train + evals) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm in args.arms:
         for name in [f"sft-{arm}"] + [f"rl-{arm}-seed{seed}" for seed in args.seeds]:
-            greedy, sampled = evaluation(f"eval-{name}", out), evaluation(f"pass{K}-{name}", out)
+            greedy, sampled = counts[f"eval-{name}"], counts[f"pass{K}-{name}"]
             rl = rl_figures(out / name) if name.startswith("rl-") else None
             evals = [e for e in (greedy, sampled) if e]
             if greedy:
@@ -273,6 +290,10 @@ def parse_args(argv: list[str] | None = None):
     if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds) or len(set(args.arms)) < len(args.arms):
         parser.error("--seeds must be distinct numbers from 0, and --arms distinct")
     refuse_driver_flags(parser, args.rl_flags, rl_command("tool", 0, Path(), Path(), 1, "hf", []))
+    if len(set(args.stages)) < len(args.stages):
+        parser.error("--stages names a kind twice")
+    if args.card and (args.overwrite or "--stages" in (sys.argv[1:] if argv is None else argv)):
+        parser.error("--card only writes the card from what has run: drop --stages and --overwrite")
     args.out = Path(args.out).resolve()
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} is a file: name a folder")
@@ -282,9 +303,16 @@ def parse_args(argv: list[str] | None = None):
 def main():
     args = parse_args()
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
+    if args.card and not args.out.is_dir():
+        sys.exit(f"{NAME} error: --out {args.out} does not exist: run the stages first (without --card), or name the "
+                 f"folder they wrote.")
+    # every RL stage's flags (--rl_flags included) are checked now, also when this call runs only SFT
+    check_flags([s for s in plan(argparse.Namespace(**{**vars(args), "stages": ["rl"]}), args.out)])
     seconds = {} if args.card else run_all(plan(args, args.out), args.out, args.overwrite)
-    known = json.loads((args.out / "times.json").read_text()) if (args.out / "times.json").exists() else {}
-    write_card(args, args.out, {**known, **{k: v for k, v in seconds.items() if v is not None}})
+    try:
+        write_card(args, args.out, {**times(args.out), **{k: v for k, v in seconds.items() if v is not None}})
+    except UserError as e:  # a damaged results.jsonl or record: one line
+        sys.exit(f"{NAME} error: {e}")
     print(f"{NAME} wrote {args.out / 'gsm8k_card.md'}")
 
 

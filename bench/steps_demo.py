@@ -451,7 +451,7 @@ def refuse_driver_flags(parser, rl_flags: str, command: list[str]):
                    {word.split("=")[0] for word in rl_flags.split() if word.startswith("--")})
     if clash:
         parser.error(f"--rl_flags may not set {', '.join(clash)}: the driver sets {'it' if len(clash) == 1 else 'them'} "
-                     f"(its folders, steps and evaluations; see --rl_steps, --limit, --seeds, --out, --overwrite)")
+                     f"(its RL recipe, folders, steps and evaluations: see the driver's --help)")
 
 
 def parse_args(argv: list[str] | None = None):

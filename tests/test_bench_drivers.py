@@ -93,9 +93,10 @@ steps_demo.run_stage(steps_demo.Stage(*{tuple(stage)!r}), Path({str(out)!r}))
 """], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pid_file, child = out / "child.pid", None
     try:
-        deadline = time.monotonic() + 120
-        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 600  # two Python starts (torch imported once): minutes on two loaded cores
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline and driver.poll() is None:
             time.sleep(0.1)
+        assert pid_file.exists(), driver.communicate(timeout=60) if driver.poll() is not None else "no stage after 600 s"
         child = int(pid_file.read_text())  # written once its SIGTERM handler is set
         driver.send_signal(signal.SIGTERM)
         stdout, stderr = driver.communicate(timeout=60)

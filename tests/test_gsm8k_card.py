@@ -115,3 +115,38 @@ def test_the_driver_runs_both_arms_on_a_tiny_model_stopped_and_resumed(tiny_mode
     assert (out / "failures-eval-sft-tool.md").exists()
     steps = [m["step"] for m in map(json.loads, open(out / "rl-text-seed0" / "metrics.jsonl")) if "loss" in m]
     assert steps == [1, 2]  # resumed where it stopped: no step twice, none missing
+
+
+def test_a_failures_file_a_reader_edited_is_kept(tmp_path, capsys):
+    records = [{"prompt": "User: q\nAssistant:", "response": "r", "ground_truth": "1", "problem": i,
+                "answer_reward": 0.0, "format_reward": 1.0, "finish_reason": "stop", "stats": {}} for i in range(3)]
+    gsm8k_card.write_failures("eval-x", records, tmp_path)
+    path = tmp_path / "failures-eval-x.md"
+    gsm8k_card.write_failures("eval-x", records[:2], tmp_path)  # its own, unedited: written again
+    assert path.read_text().startswith("# eval-x: 2 of 2 failures")
+    path.write_text(path.read_text() + "\nproblem 0: arithmetic\n")
+    gsm8k_card.write_failures("eval-x", records, tmp_path)
+    assert path.read_text().endswith("problem 0: arithmetic\n") and "kept" in capsys.readouterr().out
+
+
+def test_the_cards_header_says_what_the_runs_held(tmp_path):
+    args = gsm8k_card.parse_args(["--arms", "text", "--seeds", "0", "--out", str(tmp_path / "c")])
+    folder = args.out / "eval-sft-text"
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"count": 2, "n_samples": 1, "avg_format_rewards": 1.0,
+                                                     "mean_response_tokens": 5.0}))
+    rows = [{"prompt": "User: q\nAssistant:", "response": "r", "ground_truth": "1", "problem": i, "n_tokens": 5,
+             "answer_reward": float(i == 0), "format_reward": 1.0, "finish_reason": "stop", "stats": {}} for i in range(2)]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gsm8k_card.write_card(args, args.out, {})
+    card = (args.out / "gsm8k_card.md").read_text()
+    assert "greedy, the first 2 problems" in card and "all 1,319" not in card and "0.5000 [0.0945, 0.9055]" in card
+
+
+def test_card_alone_on_a_missing_folder_and_moot_flags_are_one_line(tmp_path):
+    missing = subprocess.run([sys.executable, "bench/gsm8k_card.py", "--card", "--out", str(tmp_path / "none")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 1 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    for argv in (["--card", "--overwrite"], ["--card", "--stages", "sft"], ["--stages", "eval", "eval"]):
+        with pytest.raises(SystemExit):
+            gsm8k_card.parse_args(argv + ["--out", str(tmp_path / "c")])

@@ -520,3 +520,16 @@ def test_a_datasets_folder_is_hashed_by_its_files(tmp_path):
     assert list(before) == ["dataset_sha256"] and _data_hash(args) == before  # a built-in set has no file
     (folder / "train" / "data-00000-of-00001.arrow").write_bytes(b"other rows")
     assert _data_hash(args) != before
+
+
+def test_accepting_a_changed_file_is_moot_without_a_resume(tmp_path, capsys):
+    """evaluate never resumes, and a run that starts afresh compares no file: --accept_changed_data/_reward there
+    are refused in one line, not silently accepted (a probe round, 2026-12-02)."""
+    from alignment.args import EvalArgs, RLArgs, parse
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "1 + 1?", "answer": "2"}\n')
+    for cls, flag in ((EvalArgs, "--accept_changed_data"), (RLArgs, "--accept_changed_data"),
+                      (RLArgs, "--accept_changed_reward")):
+        with pytest.raises(SystemExit):
+            parse(cls, ["--dataset", str(rows), flag, *(["--reward_fn", "m.py:f"] if "reward" in flag else [])])
+        assert "without --resume" in capsys.readouterr().err

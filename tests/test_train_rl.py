@@ -291,7 +291,7 @@ def test_dynamic_sampling_filters_on_accuracy_and_refills_the_batch(tiny_model_d
     # Round 1 of each step: every answer wrong (reward -1, no signal). Later rounds: accuracy 0.5 per
     # group (mean reward 0, which a filter on raw rewards with low = 0.2 would drop).
     pattern = lambda call, k: (call - 1) % 16 >= 8 and k < 2  # noqa: E731  8 traces per round, 2 rounds a step
-    monkeypatch.setattr(train_rl, "make_scorer", lambda args: plus_minus_one_by_sample(pattern))
+    monkeypatch.setattr(train_rl, "make_scorer", lambda args, rows=(): plus_minus_one_by_sample(pattern))
     args = tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2, filter_low=0.2, filter_high=0.8)
     train_rl.main(args)
     steps = read_jsonl(tmp_path / "run" / "metrics.jsonl")
@@ -304,7 +304,7 @@ def test_dynamic_sampling_filters_on_accuracy_and_refills_the_batch(tiny_model_d
 
 
 def test_a_step_whose_filters_keep_no_group_says_it_made_no_update(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train_rl, "make_scorer", lambda args: plus_minus_one_by_sample(lambda call, k: False))
+    monkeypatch.setattr(train_rl, "make_scorer", lambda args, rows=(): plus_minus_one_by_sample(lambda call, k: False))
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=1, filter_low=0.2, max_sampling_rounds=2))
     [m] = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert m["kept_traces"] == 0 and m["sampling_rounds"] == 2 and "loss" not in m and "grad_norm" not in m
@@ -630,7 +630,7 @@ def test_a_stop_during_the_refill_gives_the_step_up_and_the_resumed_run_takes_th
             signal.raise_signal(signal.SIGTERM)  # as `kill` would, while a round is scored
         ok = right(row, truth)
         return {"format_reward": 1.0, "answer_reward": float(ok), "reward": 1.0 if ok else -1.0}
-    monkeypatch.setattr(train_rl, "make_scorer", lambda args: reward)
+    monkeypatch.setattr(train_rl, "make_scorer", lambda args, rows=(): reward)
     flags = dict(n_steps=3, filter_low=0.2, max_sampling_rounds=4, save_every=10)
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "whole", **flags))
     rounds = [m["sampling_rounds"] for m in read_jsonl(tmp_path / "whole" / "metrics.jsonl")]
