@@ -111,7 +111,11 @@ def write_work_file(work: Path, record: dict, name: str, text: str):
 
 
 def check_json(path: str | None, overwrite: bool):
-    """--json: a new file, or a record this bench wrote, or anything with --overwrite; else one line before any run."""
+    """--json: a new file, or a record this bench wrote, or anything with --overwrite, in a folder that exists; else one
+    line before any run (a missing folder once ended the whole bench in a traceback, its results lost)."""
+    if path and not Path(path).resolve().parent.is_dir():
+        raise SystemExit(f"error: --json {path}: its folder {Path(path).resolve().parent} does not exist; create it or "
+                         f"name a file in a folder that does.")
     if not path or not os.path.lexists(path) or overwrite:
         return
     try:

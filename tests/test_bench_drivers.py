@@ -318,6 +318,8 @@ def test_rl_step_reuses_only_what_it_wrote_in_its_own_folder(tmp_path):
     rl_step.check_json(str(mine), True)
     mine.write_text(json.dumps({"medians": {}, "floors": {}, "ratio_trl_over_ours": {}, "device": "cpu"}))
     rl_step.check_json(str(mine), False)  # the bench's own record: replaced
+    with pytest.raises(SystemExit, match="its folder .*nodir does not exist"):  # once a traceback after the bench
+        rl_step.check_json(str(tmp_path / "nodir" / "x.json"), True)
 
 
 def test_rl_step_says_in_one_line_that_a_ctrl_c_during_the_trl_side_interrupted_it(tiny_model_dir, tmp_path):
