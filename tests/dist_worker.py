@@ -57,7 +57,7 @@ def main(settings: dict):
     def reward(row, truth):
         right = float(len(row.text) % 2) if mixed is None or tuple(row.prompt_ids) in mixed else 0.0
         return {"reward": right, "format_reward": 1.0, "answer_reward": right}
-    train_rl.make_scorer = lambda args: reward
+    train_rl.make_scorer = lambda args, rows=(): reward
     made, make_sampler = [], train_rl.make_sampler
     train_rl.make_sampler = lambda *a, **k: made.append(make_sampler(*a, **k)) or made[-1]
     train_rl.main(args)
