@@ -700,6 +700,9 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     train_file: str | None = arg(None, "your own {prompt, response} pairs, instead of --dataset: a .jsonl, .json, .parquet or .csv file or a folder saved by `datasets`")
     prompt_key: str = arg("prompt", "the column of --train_file that holds the prompt")
     response_key: str = arg("response", "the column of --train_file that holds the response")
+    question_key: str = arg("question", "the column of an --eval_dataset file that holds the question")
+    answer_key: str = arg("answer", "the column of an --eval_dataset file that holds the gold answer (text or number)")
+    accept_changed_data: bool = arg(False, "--resume a run whose --train_file or --eval_dataset file changed since it started (their sha256 are in config.json)")
     data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
     rg_size: int = arg(2000, "problems generated for an rg: dataset")
     worked_style: str = arg("chain", "how an rg: task's worked solutions are written: chain (`8 - 2 = 6. 6 + 7 = 13.`), rewrite (`8 - 2 + 7 = 6 + 7 = 13.`, the expression again after each operation), places (chain, with a product by a number of several digits written out by place values: `15 * 43 = 15 * 40 + 15 * 3. ...`) tool (a Python block, its output, `\\boxed{}`: the tir prompt, evaluated with --rollout_mode tir) or counted (chain, each step opened by the position of the term it adds: `#2 8 + 2 = 10. #3 10 + 7 = 17.`). For gsm8k: chain (the default) is the reference solution with its calculator annotations removed, r1_zero format; tool turns each annotation into a Python block whose output the sandbox prints (loss 0 on it) before the line that uses it, ending in `\\boxed{}`, under the tir prompt, evaluated with --rollout_mode tir (alignment/calculator.py)", ("chain", "rewrite", "places", "tool", "counted"))
@@ -715,7 +718,7 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
     eval_every: int = arg(0, "evaluate every N steps (also before training and at the end); 0: only before and after")
-    eval_dataset: str | None = arg(None, "evaluation set (its test split, r1_zero prompt): gsm8k, a MATH-style set or rg:<task>; default: the test split of --dataset")
+    eval_dataset: str | None = arg(None, "evaluation set (its test split, r1_zero prompt): gsm8k, a MATH-style set, rg:<task> or a file of your own questions (--question_key, --answer_key; its held-out tenth, as alignment.evaluate reads it); default: the test split of --dataset (gsm8k with --train_file)")
     eval_limit: int = arg(100, "problems per evaluation (0: no evaluation)")
     eval_max_tokens: int = arg(256, "maximum generated tokens per evaluation answer")
     eval_batch_size: int = arg(64, "sequences per generation batch during evaluation")
@@ -731,13 +734,21 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
                     if self.train_file} | {name: "without --train_file" for name in ("prompt_key", "response_key")
                                            if not self.train_file}
         rows = {} if self.delethink_chunk_size else {"delethink_carryover": "without --delethink_chunk_size"}
+        from alignment.data import is_file
+        eval_file = self.eval_limit and is_file(self.eval_dataset or "")
+        keys = {} if eval_file else {name: "without an --eval_dataset file (the built-in sets name their own columns)"
+                                     for name in ("question_key", "answer_key")}
+        if not (eval_file or self.train_file):
+            keys["accept_changed_data"] = "without --train_file or an --eval_dataset file"
+        elif not self.resume:
+            keys["accept_changed_data"] = "without --resume (it accepts a file changed since the run's checkpoint)"
         generated = {} if self.dataset.startswith("rg:") else {name: f"with --dataset {self.dataset}"
                                                                for name in ("rg_size", "worked_style")}
         if self.dataset == "gsm8k":  # two styles: its text (chain) and its calculator calls as Python (tool)
             generated["worked_style"] += " (its styles: chain, the text, or tool)"
             if self.worked_style in ("chain", "tool"):
                 del generated["worked_style"]
-        return {**generated, **no_eval, **own_file, **rows}
+        return {**generated, **no_eval, **own_file, **rows, **keys}
 
     def check_worked_task(self):
         """SFT writes worked solutions (alignment/worked.py) for flat expressions of two or more numbers only."""

@@ -234,6 +234,13 @@ def same_question(text: str) -> str:
     return " ".join(text.split())
 
 
+def twin(text: str) -> str:
+    """The question as compared with the evaluation's before training: `same_question`, with its case folded too, so
+    a copy that differs only in case ("What"/"what") is also left out of training. (The held-out hash itself keeps
+    case: folding it would move the split of every file.)"""
+    return same_question(text).casefold()
+
+
 def held_out(question: str) -> bool:
     """A file's row is in its test split by a hash of its question alone: no seed, no other row moves it."""
     return derive_seed("held out", same_question(question)) % HELD_OUT_EVERY == 0

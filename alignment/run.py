@@ -287,14 +287,15 @@ def _reward_hash(args) -> dict:
 
 def _data_hash(args) -> dict:
     """The sha256 of a --prompt_file (its text as the run read it at its start) and of a --dataset / --eval_dataset
-    file (a folder saved by `datasets`: its files' names and bytes), kept like the reward's so a resume can tell."""
-    if not hasattr(args, "accept_changed_data"):  # a script without its own files (SFT reads --train_file)
+    / --train_file file (a folder saved by `datasets`: its files' names and bytes), kept like the reward's so a
+    resume can tell."""
+    if not hasattr(args, "accept_changed_data"):  # a script without files of its users
         return {}
     from alignment import data
     hashes = {}
-    if args.prompt_file:
+    if getattr(args, "prompt_file", None):
         hashes["prompt_file_sha256"] = hashlib.sha256(data.read_prompt_file(args.prompt_file).encode()).hexdigest()
-    for flag in ("dataset", "eval_dataset"):
+    for flag in ("dataset", "eval_dataset", "train_file"):
         path = Path(getattr(args, flag, None) or "")
         if data.is_file(str(getattr(args, flag, None) or "")) and path.exists():
             digest = hashlib.sha256(b"" if path.is_dir() else path.read_bytes())  # a file: what sha256sum says

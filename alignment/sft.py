@@ -90,10 +90,10 @@ def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = (),
         examples = gsm8k_tool_examples(rows, template, log) if args.worked_style == "tool" else \
             [gsm8k_sft_example(row, template) for row in rows]
     elif args.dataset.startswith("rg:"):
-        held_out = {data.same_question(row["question"]) for row in eval_rows}  # compared as train_rl compares them
+        held_out = {data.twin(row["question"]) for row in eval_rows}  # compared as train_rl compares them
         rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
         prompts = [(data.format_prompt(template, row["question"]), row) for row in rows
-                   if data.same_question(row["question"]) not in held_out]
+                   if data.twin(row["question"]) not in held_out]
         examples = [{"prompt": prompt, "response": worked_solution(row, args.worked_style)}
                     for prompt, row in prompts if fits(prompt)]  # a question too long: no solution is built
         dropped = len(prompts) - len(examples)
@@ -185,7 +185,9 @@ def load_eval_rows(args: SFTArgs) -> list[dict]:
         return []
     name = args.eval_dataset or ("gsm8k" if args.train_file else args.dataset)
     try:
-        return data.load_dataset(name, "test", args.data_dir, size=args.eval_limit, seed=args.seed)[:args.eval_limit]
+        return data.load_dataset(name, "test", args.data_dir, size=args.eval_limit, seed=args.seed,
+                                 question_key=args.question_key, answer_key=args.answer_key,
+                                 flag="--eval_dataset")[:args.eval_limit]
     except MissingFileError as e:
         if not args.train_file:
             raise

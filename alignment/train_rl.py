@@ -64,8 +64,8 @@ def load_questions(args: RLArgs, log=print, script: str = "train_rl") -> tuple[l
         log(f"[{script}] {'held out of training and ' * (not args.eval_dataset)}evaluated: the test split of "
             f"{eval_name} (one question in {data.HELD_OUT_EVERY}, by a hash of the question, the same for every seed, "
             f"unless a `datasets` folder names its own), {len(eval_rows)} questions")
-    held_out = {data.same_question(row["question"]) for row in eval_rows}  # a copy differing in spacing is the same
-    kept = [row for row in train_rows if data.same_question(row["question"]) not in held_out]
+    held_out = {data.twin(row["question"]) for row in eval_rows}  # a copy differing in spacing or case is the same
+    kept = [row for row in train_rows if data.twin(row["question"]) not in held_out]
     if len(kept) < len(train_rows):
         later = "" if args.eval_every else (" (no evaluation in this run, --eval_every 0: held out so that an "
                                             "alignment.evaluate of them later measures questions never trained on)")
@@ -121,6 +121,10 @@ def main(args: RLArgs) -> dict:
         need, length = context_need(args, max(args.sampling_max_tokens, args.eval_max_tokens))
         check_context(args.vllm_max_model_len if backend == "vllm" else None, models.load_tokenizer(run.weights),
                       train_rows + eval_rows, args.prompt, args.chat_template, need, run.weights, length, args.prompt_file)
+    else:  # tir checks its budget as it goes; its prompts are written now, so a {column} the rows lack fails here
+        template = data.prompt_template(args.prompt, args.prompt_file)
+        for row in train_rows + eval_rows:
+            data.format_prompt(template, row["question"], row.get("columns"))
     score = make_scorer(args, train_rows + eval_rows)  # a bad --reward_fn is refused before the weights load
     m = load_models(args, run, roles, device, backend)
     reference = ("the policy with its adapters off (no second copy)" if m.reference is m.policy else

@@ -166,10 +166,13 @@ def _load(spec: str):
 def _checked(value) -> dict:
     """A number, or {reward, format_reward?, answer_reward?} of numbers, as finite floats; anything else is nonsense.
     A number is what a reward naturally returns: a float, an int, a bool (0/1), a numpy scalar or 0-d array (numpy's
-    bool is no numbers.Real, hence the dtype); text, None, complex and arrays are refused, not guessed at."""
+    bool is no numbers.Real, hence the dtype) or a 0-d torch tensor; text, None, complex and arrays are refused, not
+    guessed at."""
     def number(v, what):
-        real = isinstance(v, numbers.Real) or (getattr(v, "shape", None) == () and
-                                               getattr(getattr(v, "dtype", None), "kind", None) in ("b", "i", "u", "f"))
+        dtype = getattr(v, "dtype", None)
+        real = isinstance(v, numbers.Real) or (getattr(v, "shape", None) == () and (
+            getattr(dtype, "kind", None) in ("b", "i", "u", "f")  # numpy
+            or getattr(dtype, "is_complex", True) is False))  # torch: a real dtype (float, int or bool)
         if not real:
             raise TypeError(f"{what} is {json.dumps(v, default=repr)[:60]}, not a real number")
         if not math.isfinite(float(v)):

@@ -54,7 +54,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, positive, run_all
+from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, one_line, positive, run_all
 from tir_demo import question, shorten, summary
 
 from alignment.run import read_jsonl
@@ -341,7 +341,8 @@ def write_samples(args, out: Path, count: int = 2):
 
 
 def parse_args(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = one_line(argparse.ArgumentParser(description=__doc__,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--task", choices=tuple(TASKS), default="sums",
                         help="sums: reasoning-gym's basic_arithmetic, n one-digit numbers (the question grows with the "

@@ -30,7 +30,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from steps_demo import NAME, ROOT, Stage, check_flags, joined, positive, read_record, refuse_driver_flags, run_all, times, write_record
+from steps_demo import NAME, ROOT, Stage, check_flags, joined, one_line, positive, read_record, refuse_driver_flags, run_all, times, write_record
 
 from alignment.calculator import MAX_TOOL_CALLS
 from alignment.drgrpo_grader import extract_boxed
@@ -98,6 +98,20 @@ def plan(args, out: Path) -> list[Stage]:
             stages.append(Stage(f"pass{K}-{name}", eval_command(str(out / name), arm, out / f"pass{K}-{name}",
                                                                 args.passk_limit, args.backend, K), reads=reads))
     return [stage for stage in stages if chosen(stage.name, set(args.stages))]
+
+
+def check_inputs(args):
+    """A stage whose input (the SFT an RL run starts from, the model an evaluation reads) is neither run by this
+    call nor finished before it is refused now, in one line saying which kind to run."""
+    every = {stage.name: stage for stage in plan(argparse.Namespace(**{**vars(args), "stages": ["sft", "rl", "eval"]}),
+                                                 args.out)}
+    running = [stage.name for stage in plan(args, args.out)]
+    for name in running:
+        for read in every[name].reads:
+            if read not in running and not every[read].finished():
+                kind = read.split("-")[0]
+                sys.exit(f"{NAME} error: {name} reads {read}, which has not finished: run --stages {kind} (or add "
+                         f"{kind} to --stages) first.")
 
 
 def chosen(name: str, kinds: set[str]) -> bool:
@@ -263,7 +277,8 @@ def write_card(args, out: Path, seconds: dict):
 
 
 def parse_args(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = one_line(argparse.ArgumentParser(description=__doc__,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds (SFT runs once, seed 0)")
     parser.add_argument("--stages", nargs="+", choices=("sft", "rl", "eval"), default=["sft", "eval", "rl"],
@@ -308,6 +323,8 @@ def main():
                  f"folder they wrote.")
     # every RL stage's flags (--rl_flags included) are checked now, also when this call runs only SFT
     check_flags([s for s in plan(argparse.Namespace(**{**vars(args), "stages": ["rl"]}), args.out)])
+    if not args.card:
+        check_inputs(args)
     seconds = {} if args.card else run_all(plan(args, args.out), args.out, args.overwrite)
     try:
         write_card(args, args.out, {**times(args.out), **{k: v for k, v in seconds.items() if v is not None}})

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from steps_demo import positive
+from steps_demo import one_line, positive
 
 from alignment import data, models, train_rl
 from alignment.args import RLArgs
@@ -224,7 +224,8 @@ def run_trl(args, python: Path, prompt: str, answer: str, round_index: int) -> l
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = one_line(argparse.ArgumentParser(description=__doc__,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--model", default="smollm2-135m", help="HF folder or packaged name (smollm2-135m)")
     parser.add_argument("--steps", type=positive, default=3, help="steps per run; the first is a warm-up")
     parser.add_argument("--rounds", type=positive, default=2, help="runs per side, alternating ours and TRL")

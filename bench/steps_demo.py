@@ -427,6 +427,16 @@ def write_samples(rows: list[dict], out: Path, count: int = 3):
     (out / "samples.md").write_text("\n".join(lines) + "\n")
 
 
+def one_line(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse's complaints (a bad choice, a missing value, the driver's own checks) as one `error:` line, as the
+    scripts' own, not its usage block above the error."""
+    def fail(message: str):
+        print(f"{NAME} error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+    parser.error = fail
+    return parser
+
+
 def positive(text: str) -> int:
     """An argparse type: a whole number from 1 (0 or less is refused in one line, never taken as "unset")."""
     value = int(text)
@@ -455,7 +465,7 @@ def refuse_driver_flags(parser, rl_flags: str, command: list[str]):
 
 
 def parse_args(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = one_line(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
     parser.add_argument("--task", choices=tuple(TASKS), default="sums",

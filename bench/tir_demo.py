@@ -28,7 +28,7 @@ import os
 import statistics
 from pathlib import Path
 
-from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, positive, run_all
+from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, one_line, positive, run_all
 
 from alignment.run import read_jsonl
 
@@ -182,7 +182,8 @@ def write_samples(args, out: Path, count: int = 3):
 
 
 def parse_args(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = one_line(argparse.ArgumentParser(description=__doc__,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS),
                         help="text: SFT in steps, RL in text; tool: SFT calling Python, RL with the sandbox")

@@ -55,11 +55,25 @@ def test_every_rl_stage_reads_its_arms_sft_and_the_test_split_is_never_a_trainin
 
 
 def test_bad_flags_are_one_line(tmp_path, capsys):
-    for argv in (["--sft_examples", "12"], ["--limit", "-1"], ["--seeds", "0", "0"], ["--rl_flags", "--n_steps 3"]):
+    for argv in (["--sft_examples", "12"], ["--limit", "-1"], ["--seeds", "0", "0"], ["--rl_flags", "--n_steps 3"],
+                 ["--arms", "maths"], ["--rl_steps", "0"]):
         with pytest.raises(SystemExit) as exit:
             gsm8k_card.parse_args(argv + ["--out", str(tmp_path / "c")])
         assert exit.value.code == 2
-    assert "--rl_flags may not set --n_steps" in capsys.readouterr().err
+        err = capsys.readouterr().err  # one line, not argparse's usage block above it
+        assert len(err.strip().splitlines()) == 1 and "error: " in err and "usage:" not in err, err
+        if "--rl_flags" in argv:
+            assert "--rl_flags may not set --n_steps" in err
+
+
+def test_rl_without_its_sft_says_to_run_the_sft_stage(tmp_path, capsys):
+    """`--stages rl` before any SFT failed inside train_rl, whose message suggested --model (moot here)."""
+    args = gsm8k_card.parse_args(["--arms", "text", "--seeds", "0", "--stages", "rl", "--out", str(tmp_path / "c")])
+    with pytest.raises(SystemExit, match=r"rl-text-seed0 reads sft-text, which has not finished: run "
+                                         r"--stages sft \(or add sft to --stages\) first"):
+        gsm8k_card.check_inputs(args)
+    gsm8k_card.check_inputs(gsm8k_card.parse_args(["--arms", "text", "--seeds", "0", "--stages", "sft", "rl",
+                                                   "--out", str(tmp_path / "c")]))  # it runs first: fine
 
 
 def test_ignores_output_reads_the_printed_numbers_and_the_box():

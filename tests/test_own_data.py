@@ -167,13 +167,18 @@ NUMBERS = textwrap.dedent('''
     ("np.array(0.5)", {"reward": 0.5}), ({"reward": 1, "answer_reward": False}, {"reward": 1.0, "answer_reward": 0.0}),
     (None, "the return value is null, not a real number"), ("0.5", "the return value is \"0.5\", not a real number"),
     (float("nan"), "not a finite number"), (complex(1, 0), "not a real number"), ("np.array([1.0])", "not a real number"),
-    ("np.float32('inf')", "not a finite number"),
+    ("np.float32('inf')", "not a finite number"), ("torch.tensor(0.5)", {"reward": 0.5}),
+    ("torch.tensor(True)", {"reward": 1.0}), ("torch.tensor(3)", {"reward": 3.0}),
+    ("torch.tensor(1j)", "not a real number"), ("torch.tensor([0.5])", "not a real number"),
 ])
 def test_a_reward_may_return_any_real_number(value, expected):
-    """numpy scalars, ints and bools (a 0/1 reward) are numbers; text, None, complex, NaN and arrays are not."""
+    """numpy scalars and 0-d torch tensors, ints and bools (a 0/1 reward) are numbers; text, None, complex, NaN and
+    arrays are not."""
     import numpy as np
+    import torch
     from alignment.user_reward import _checked
-    value = eval(value, {"np": np}) if isinstance(value, str) and value.startswith("np.") else value
+    value = eval(value, {"np": np, "torch": torch}) if isinstance(value, str) and value.startswith(("np.", "torch.")) \
+        else value
     if isinstance(expected, dict):
         assert _checked(value) == expected and all(type(v) is float for v in _checked(value).values())
     else:
@@ -359,6 +364,21 @@ def test_rl_leaves_out_an_evaluation_question_that_differs_only_in_whitespace(tm
     assert "1 of 3 training questions are among the 1 evaluation questions" in lines[-1]
 
 
+def test_a_question_that_differs_only_in_case_is_left_out_of_training_too(tmp_path):
+    """"What is 13 + 19?" evaluated and "what is 13 + 19?" trained on is the same question learned (a probe round,
+    2026-12-02); the held-out hash keeps case (folding it would move every file's split), the leak check folds it."""
+    import datasets
+    from alignment.train_rl import load_questions
+    train = [{"question": q, "answer": "1"} for q in ("WHAT IS 13 + 19?", "what is 13 + 19?", "What is 2 + 2?")]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train)}).save_to_disk(str(tmp_path / "train"))
+    datasets.DatasetDict({"test": datasets.Dataset.from_list([{"question": "What is 13 + 19?", "answer": "32"}])}
+                         ).save_to_disk(str(tmp_path / "eval"))
+    kept, _, _ = load_questions(RLArgs(dataset=str(tmp_path / "train"), eval_dataset=str(tmp_path / "eval"),
+                                       rollout_batch_size=2, group_size=2), lambda line: None)
+    assert [r["question"] for r in kept] == ["What is 2 + 2?"]
+    assert data.held_out("What is 13 + 19?") == data.held_out(" What  is 13 + 19?")  # spacing: one split
+
+
 def test_rl_says_which_split_of_an_eval_file_it_evaluates_and_names_the_eval_flag(own, tmp_path):
     from alignment.train_rl import load_questions
     lines = []
@@ -505,6 +525,15 @@ def test_a_placeholder_the_data_lacks_is_refused_before_the_model_loads(own, tin
                                output_dir=str(tmp_path / "e")))
     assert data.format_prompt("{{subject}} {topic}: {question} \\boxed{} }}", "1 + {topic}?", {"topic": "sums"}) == \
         "{subject} sums: 1 + {topic}? \\boxed{} }"
+    # train_rl in the tir mode too (it checks no context up front, so the prompt was first written at step 1)
+    from alignment import train_rl
+    from tests.test_train_rl import tiny_args
+    for name in ("load_policy", "load_policy_model"):
+        monkeypatch.setattr(models, name, lambda *a, **k: pytest.fail("the model loaded"), raising=False)
+    with pytest.raises(UserError, match=r"--prompt_file has \{subject\}, and the data has no such column"):
+        train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", dataset=str(own / "rows.jsonl"), question_key="problem",
+                                answer_key="gold", prompt_file=str(own / "typo.prompt"), prompt="tir",
+                                rollout_mode="tir"))
 
 
 def test_a_datasets_folder_is_hashed_by_its_files(tmp_path):

@@ -1,4 +1,5 @@
 import contextlib
+import hashlib
 import json
 import math
 
@@ -241,3 +242,33 @@ def test_examples_longer_than_the_context_are_dropped_with_a_count_before_they_a
     assert len(built) < len(every)  # questions that alone overflow got no solution
     with pytest.raises(UserError, match="no training example fits the model's context"):
         sft.load_sft_examples(args, tokenizer, context=20)
+
+
+def test_an_eval_file_with_its_own_columns_and_a_resume_after_the_train_file_changed(tiny_model_dir, tmp_path, capsys):
+    """SFT's --eval_dataset file could only have `question`/`answer` columns (its error named --dataset and flags SFT
+    lacked), and a --resume trained on an edited --train_file silently (a probe round, 2026-12-02)."""
+    pairs, questions = tmp_path / "pairs.jsonl", tmp_path / "questions.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"q{i} ", "response": f"a{i} </answer>"}) + "\n" for i in range(8)))
+    questions.write_text("".join(json.dumps({"problem": f"What is {i} + 1?", "gold": i + 1}) + "\n" for i in range(60)))
+    flags = dict(train_file=str(pairs), eval_dataset=str(questions), eval_limit=2, save_every=1)
+    with pytest.raises(UserError, match=rf"^--eval_dataset {questions} has no column question, answer .*--question_key "
+                                        r"and --answer_key"):
+        sft.load_eval_rows(SFTArgs(**flags))
+    rows = sft.load_eval_rows(SFTArgs(question_key="problem", answer_key="gold", **flags))
+    assert len(rows) == 2 and all(data.held_out(r["question"]) for r in rows)
+    run = tmp_path / "sft"
+    sft.main(tiny_args(tiny_model_dir, run, question_key="problem", answer_key="gold", **flags))
+    config = json.loads((run / "config.json").read_text())
+    assert config["train_file_sha256"] == hashlib.sha256(pairs.read_bytes()).hexdigest()
+    assert config["eval_dataset_sha256"] == hashlib.sha256(questions.read_bytes()).hexdigest()
+    pairs.write_text(pairs.read_text().replace("a3 ", "a different answer "))
+    resume = dict(question_key="problem", answer_key="gold", resume=str(run), epochs=2, **flags)
+    with pytest.raises(UserError, match=r"^--train_file .*pairs.jsonl \(sha256 \w{12} then, \w{12} now\): the file "
+                                        r"changed since the run's checkpoint: restore it, or pass --accept_changed_data"):
+        sft.main(tiny_args(tiny_model_dir, run, **resume))
+    assert sft.main(tiny_args(tiny_model_dir, run, accept_changed_data=True, **resume))["steps"] == 4
+    for argv, why in ((["--question_key", "q"], "without an --eval_dataset file"),
+                      (["--train_file", str(pairs), "--accept_changed_data"], "without --resume")):
+        with pytest.raises(SystemExit):
+            parse(SFTArgs, argv)
+        assert why in capsys.readouterr().err
