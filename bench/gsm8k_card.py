@@ -45,9 +45,9 @@ ARMS = {  # arm: (sft flags, flags of RL and evaluation, response budget in toke
                                           str(MAX_TOOL_CALLS)], "384"),
 }
 SFT_LR = "1e-4"  # one epoch, batch 8, warmup and cosine decay (sft's schedule)
-# The project's machines keep nothing between sessions (a fresh checkout each time; checkpoints are not committed),
-# so a session runs an arm's SFT again before its RL: SFT, its evaluations and one RL seed with its evaluations must
-# fit one session of 3 hours on 2 cores. 2,400 solutions (300 steps) take ~25 min for the text arm alone.
+# The project's machines may keep nothing between sessions (a fresh checkout; checkpoints are not committed), so
+# a session may have to run an arm's SFT again before its RL: SFT, its evaluations and one RL seed with its
+# evaluations must fit one session of 3 hours on 2 cores. 2,400 solutions (300 steps) take ~25 min for the text arm alone.
 SFT_EXAMPLES = 2400
 K, PASSK_LIMIT, TEMPERATURE = 8, 400, "1.0"  # pass@k and maj@k at RL's sampling temperature, as nanochat's
 # RL (pilots in docs/results.md, "GSM8K card"): nanochat samples 16 x 16 a step at temperature 1, advantage = reward -
