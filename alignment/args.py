@@ -102,7 +102,8 @@ def parse(cls, argv=None):
                                  f"where it ran).")
             values["output_dir"] = values["resume"]  # what config.json records: the folder the run writes
             values.update({k: v for k, v in _saved_flags(values["resume"], cls).items()
-                           if k in values and k not in given and k not in ("resume", "overwrite", "output_dir")})
+                           if k in values and k not in given and k not in ("resume", "overwrite", "output_dir",
+                                                                          *ONE_RESUME)})
         args = cls(**values)
         check_values(args)  # a value out of range is named as such first
         moot = args.moot() if hasattr(args, "moot") else {}
@@ -276,8 +277,18 @@ def check_values(args):
             raise ValueError(f"--seed must be 0 or more and below 2**63, not {value}.")
 
 
+# Flags that hold for the one --resume they are typed on: never inherited by a later resume, saved as false (an
+# accepted change of a file does not accept the next one)
+ONE_RESUME = ("accept_changed_data", "accept_changed_reward")
+
+
 def to_dict(args) -> dict:
     return asdict(args)
+
+
+def saved_dict(args) -> dict:
+    """The flags as a run's config.json and checkpoint record them: to_dict, the ONE_RESUME flags false."""
+    return {**to_dict(args), **{name: False for name in ONE_RESUME if hasattr(args, name)}}
 
 
 # Sums of two numbers of up to two digits from reasoning-gym (offline, seeded): the CPU default RL task.

@@ -176,8 +176,10 @@ def _equal_scalar(given, truth, fast, deadline):
         value = _to_number(given)
         if value is None:
             value = _lone_number(given)
-        if value is not None:
-            return abs(value - truth_value) <= Fraction(1, 10**9) * max(1, abs(truth_value))
+        if value is not None:  # integers exactly (a 10-digit product one off is wrong); else within a relative
+            if value.denominator == 1 and truth_value.denominator == 1:  # 1e-9, for `0.333333333333` against `1/3`
+                return value == truth_value
+            return abs(value - truth_value) <= Fraction(1, 10**9) * abs(truth_value)
         if re.search(r"\d", given) and not re.search(r"[\\^]", given):
             return False  # worded or hedged numbers that _lone_number refused: `18or20`
     if re.fullmatch(r"[a-zA-Z]+", truth) and re.fullmatch(r"[a-zA-Z]+", given) and len(truth) > 1:

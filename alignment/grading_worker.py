@@ -10,6 +10,7 @@ The parent side (`symbolic_equal`) is stdlib only; this file doubles as the zygo
 """
 
 import json
+import math
 import os
 import re
 import select
@@ -209,9 +210,13 @@ def _sympy_equal(given, truth):
         g, t = (_to_sympy(a) - _to_sympy(b) for a, b in (given.split("="), truth.split("=")))
         return sympy.simplify(g - t) == 0 or sympy.simplify(g + t) == 0
     g, t = _to_sympy(given), _to_sympy(truth)
-    if g.is_number and t.is_number:
-        diff, scale = complex(sympy.N(g - t, 30)), abs(complex(sympy.N(t, 30)))
-        return abs(diff) <= 1e-9 * max(1.0, scale)
+    if g.is_number and t.is_number:  # exact numbers exactly (a 10-digit product one off is wrong); with a float
+        difference = sympy.simplify(g - t)  # or an irrational in it, within a relative 1e-9 (`0.3333333333333`, 1/3)
+        if difference == 0 or difference.is_Rational:
+            return difference == 0
+        diff = abs(complex(sympy.N(difference, 30)))
+        scale = max(abs(complex(sympy.N(g, 30))), abs(complex(sympy.N(t, 30))))
+        return math.isfinite(scale) and diff <= 1e-9 * scale  # an infinity is equal only as itself (above)
     return sympy.simplify(g - t) == 0
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 # What a run's config.json (alignment/run.py) holds about the run itself rather than as a flag to give again
 BOOKKEEPING = ("output_dir", "start_model", "script", "resume", "overwrite", "reward_fn_sha256", "prompt_file_sha256",
-               "dataset_sha256", "eval_dataset_sha256")
+               "dataset_sha256", "eval_dataset_sha256", "train_file_sha256", "accept_changed_data",
+               "accept_changed_reward")  # the last two: what one --resume accepted (args.ONE_RESUME)
 
 
 def take_config(argv: list[str]) -> tuple[list[str], str | None]:
@@ -63,7 +64,8 @@ def read_recipe(path: str, cls, scripts: dict) -> tuple[dict, set]:
         if owner and owner != script:
             raise ValueError(f"--config {path} is the config of a run of alignment.{owner}, not of alignment.{script}: "
                              f"`uv run -m alignment.{owner} --config {path}`.")
-        skipped = [key for key in BOOKKEEPING if key in table]
+        skipped = [key for key in BOOKKEEPING if key in table and not (key.startswith("accept_changed_")
+                                                                      and table[key] is False)]  # nothing to say
         if skipped and os.environ.get("RANK", "0") == "0":
             print(f"[config] {path}: skipped {', '.join(skipped)} (the saved run's own bookkeeping; this run's folder "
                   f"is --output_dir's)", file=sys.stderr)

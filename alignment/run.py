@@ -40,7 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from alignment import distributed, models
-from alignment.args import SCRIPTS, to_dict
+from alignment.args import SCRIPTS, saved_dict, to_dict
 from alignment.errors import MissingFileError, StoppedAtOnce, UserError
 
 STATE_FILE = "trainer_state.pt"
@@ -105,7 +105,7 @@ class Run:
             writable_folder(self.dir)  # an output path that cannot be written fails now, not after the work
             for name in ("metrics.jsonl", "rollouts.jsonl"):  # a crash after the checkpoint wrote these again
                 _truncate_jsonl(self.dir / name, self.start_step, self.say if name == "metrics.jsonl" else None)
-            config = {**to_dict(args), "output_dir": str(self.dir), "start_model": self.start_model,
+            config = {**saved_dict(args), "output_dir": str(self.dir), "start_model": self.start_model,
                       "script": self.script, **_reward_hash(args), **self.data_hashes}
             (self.dir / "config.json.tmp").write_text(json.dumps(config, indent=2, default=str))
             os.replace(self.dir / "config.json.tmp", self.dir / "config.json")  # never half a config: a user's file
@@ -155,7 +155,7 @@ class Run:
         script's own `state`, which `restore` hands back."""
         trainer_state = {**(state or {}), "step": step, "start_model": self.start_model,
                          "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
-        config = {**to_dict(self.args), "output_dir": str(self.dir), **_reward_hash(self.args),  # the folder it writes
+        config = {**saved_dict(self.args), "output_dir": str(self.dir), **_reward_hash(self.args),  # the folder it writes
                   **self.data_hashes}
         if self.main:
             self._still_there()

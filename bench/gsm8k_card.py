@@ -289,7 +289,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--model", default="smollm2-135m", help="start model (the tests pass a tiny one)")
     parser.add_argument("--sft_examples", type=positive, default=SFT_EXAMPLES,
                         help="GSM8K train solutions in SFT, the file's first (8 a step; every one of the 7,473 converts)")
-    parser.add_argument("--rl_steps", type=positive, default=100, help="RL steps (see RL in this file)")
+    parser.add_argument("--rl_steps", type=positive, default=50,
+                        help="RL steps (see RL in this file; 50 x 64 samples take ~1 h on 2 cores)")
     parser.add_argument("--rl_flags", default="", help="more train_rl flags (not those the driver sets)")
     parser.add_argument("--backend", choices=("vllm", "hf"), default="vllm",
                         help="sampler of RL and the evaluations: vllm (the vllm-cpu extra) or hf")

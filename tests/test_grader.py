@@ -84,6 +84,17 @@ def test_grade(given, truth, expected):
     assert grade(given, truth) is expected
 
 
+@pytest.mark.parametrize("given,truth,expected", [
+    ("1234567891", "1234567890", False), ("99999999999", "99999999990", False),  # integers exactly (a probe round,
+    ("1000000000000000000000000000001", "1000000000000000000000000000000", False),  # 2026-12-02: all three were
+    ("2^{40}+1", "1099511627776", False), ("2^{40}", "1099511627776", True),  # right under an absolute 1e-9)
+    ("0", "0.0000000001", False), ("0", "1e-20", False), ("1e-20", "1e-20", True),  # relative, not absolute
+    ("0.3333333333333", "\\frac{1}{3}", True), ("\\sqrt{2}", "1.41421356237", True), ("1.5", "\\frac{3}{2}", True),
+])
+def test_integers_compare_exactly_and_other_numbers_within_a_relative_1e_9(given, truth, expected):
+    assert grade(given, truth) is expected
+
+
 def test_case_count():
     assert len(GSM8K_CASES + LATEX_CASES + TEXT_CASES + FORMAT_CASES + QUESTION_ONLY_CASES) >= 150
 

@@ -267,6 +267,16 @@ def test_an_eval_file_with_its_own_columns_and_a_resume_after_the_train_file_cha
                                         r"changed since the run's checkpoint: restore it, or pass --accept_changed_data"):
         sft.main(tiny_args(tiny_model_dir, run, **resume))
     assert sft.main(tiny_args(tiny_model_dir, run, accept_changed_data=True, **resume))["steps"] == 4
+    # the acceptance was that resume's alone: saved false, not inherited, so the next edit is refused again
+    assert not json.loads((run / "checkpoint" / "run_config.json").read_text())["accept_changed_data"]
+    pairs.write_text(pairs.read_text().replace("a5 ", "yet another answer "))
+    argv = ["--resume", str(run), "--epochs", "3"]
+    with pytest.raises(UserError, match=r"^--train_file .*pairs.jsonl \(sha256 .*: the file changed"):
+        sft.main(parse(SFTArgs, argv))
+    # the run's config.json is a recipe (it was refused: "unknown key train_file_sha256"); what a resume accepted
+    # is no flag of a new run
+    again = parse(SFTArgs, ["--config", str(run / "config.json"), "--output_dir", str(tmp_path / "again")])
+    assert again.train_file == str(pairs) and again.question_key == "problem" and not again.accept_changed_data
     for argv, why in ((["--question_key", "q"], "without an --eval_dataset file"),
                       (["--train_file", str(pairs), "--accept_changed_data"], "without --resume")):
         with pytest.raises(SystemExit):
