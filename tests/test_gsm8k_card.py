@@ -164,3 +164,21 @@ def test_card_alone_on_a_missing_folder_and_moot_flags_are_one_line(tmp_path):
     for argv in (["--card", "--overwrite"], ["--card", "--stages", "sft"], ["--stages", "eval", "eval"]):
         with pytest.raises(SystemExit):
             gsm8k_card.parse_args(argv + ["--out", str(tmp_path / "c")])
+
+
+def test_the_card_never_replaces_a_file_it_did_not_write(tmp_path):
+    """`--card --out <a folder of the user's>` replaced their gsm8k_card.md (a probe round, 2026-12-02)."""
+    mine = tmp_path / "drafts"
+    mine.mkdir()
+    (mine / "gsm8k_card.md").write_text("report draft v3 - do not lose\n")
+    done = subprocess.run([sys.executable, "bench/gsm8k_card.py", "--card", "--out", str(mine)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "holds no stage this driver ran" in done.stderr and "Traceback" not in done.stderr
+    (mine / "stages.json").write_text("{}")  # a folder of the driver's: its card, once edited, is kept too
+    with pytest.raises(SystemExit, match="is not the card this driver last wrote"):
+        gsm8k_card.write_own(mine / "gsm8k_card.md", "card\n")
+    assert (mine / "gsm8k_card.md").read_text() == "report draft v3 - do not lose\n"
+    (mine / "gsm8k_card.md").unlink()
+    gsm8k_card.write_own(mine / "gsm8k_card.md", "card\n")
+    gsm8k_card.write_own(mine / "gsm8k_card.md", "card, again\n")  # its own: replaced
+    assert (mine / "gsm8k_card.md").read_text() == "card, again\n"
