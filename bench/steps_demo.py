@@ -361,13 +361,21 @@ def plan(args, out: Path) -> list[Stage]:
 def check_flags(stages: list[Stage]):
     """Every stage's command parsed by its script's own parser before any stage runs (a bad --rl_flags is
     refused now, not after SFT and two evaluations)."""
+    import contextlib
+    import io
     from alignment.args import SCRIPTS, parse
     for stage in stages:
         script = stage.command[1].removeprefix("alignment.")
+        said = io.StringIO()
         try:
-            parse(SCRIPTS[script], stage.command[2:])
-        except SystemExit:
-            sys.exit(f"{NAME} error: the {stage.name} stage's flags were refused (above): fix the driver's flags.")
+            with contextlib.redirect_stderr(said):
+                parse(SCRIPTS[script], stage.command[2:])
+        except SystemExit:  # the script's own line, once, with what to read (a bad --rl_flags, as a rule)
+            line = said.getvalue().strip().splitlines()[-1:] or ["refused"]
+            print(f"{NAME} error: the {stage.name} stage (alignment.{script}) refused its flags: "
+                  f"{line[0].removeprefix('error: ').removesuffix('.').removesuffix(' (see --help)')} (--rl_flags takes its flags: uv run -m "
+                  f"alignment.{script} --help)", file=sys.stderr)
+            sys.exit(2)
 
 
 def seed_row(seed: int, out: Path, seconds: dict) -> dict:

@@ -182,3 +182,13 @@ def test_the_card_never_replaces_a_file_it_did_not_write(tmp_path):
     gsm8k_card.write_own(mine / "gsm8k_card.md", "card\n")
     gsm8k_card.write_own(mine / "gsm8k_card.md", "card, again\n")  # its own: replaced
     assert (mine / "gsm8k_card.md").read_text() == "card, again\n"
+
+
+def test_an_unknown_rl_flag_is_one_line_naming_the_script_to_ask(tmp_path):
+    """It was two lines, the second saying to "fix the driver's flags", exit 1 (a probe round, 2026-12-02)."""
+    done = subprocess.run([sys.executable, "bench/gsm8k_card.py", "--out", str(tmp_path / "c"), "--rl_flags",
+                           "--bogus_flag"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "[gsm8k_card] error: the rl-text-seed0 stage (alignment.train_rl) refused its flags: unknown flag --bogus_flag "
+        "(--rl_flags takes its flags: uv run -m alignment.train_rl --help)"]
+    assert not (tmp_path / "c").exists()
