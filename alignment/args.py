@@ -11,10 +11,10 @@ import json
 import math
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from alignment.errors import one_line_error
 from alignment.grpo import LOSS_TYPES
 from alignment.recipe import read_recipe, take_config
 
@@ -196,12 +196,7 @@ def _order(title: str) -> int:
     return list(GROUPS).index(title) if title in GROUPS else len(GROUPS)
 
 
-def _fail(message: str):
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank parses: the line is said once, by rank 0
-        print(f"error: {message}", file=sys.stderr)
-    else:  # and the others end after it: the first rank to fail makes torchrun stop the rest, maybe before it printed
-        time.sleep(3)
-    sys.exit(2)
+_fail = one_line_error
 
 
 def _unknown_flag(unknown: list[str], cls) -> str:

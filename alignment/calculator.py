@@ -49,7 +49,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 from alignment import data, tir
-from alignment.errors import UserError, cli
+from alignment.errors import UserError, cli, one_line_error
 from alignment.sandbox import ExecResult, Sandbox
 
 ANNOTATION = re.compile(r"<<([^<>]*)>>")  # GSM8K's `<<48/2=24>>`
@@ -210,6 +210,7 @@ def show(row: dict) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m alignment.calculator", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = one_line_error  # argparse's complaints as one line, as the other scripts'
     parser.add_argument("--check", action="store_true", help="run every converted block of GSM8K train in the "
                         "sandbox and print how many solutions are kept and dropped, by reason (a few minutes)")
     parser.add_argument("--show", type=_index, default=None, help="print converted train solution N (0 to 7,472)")

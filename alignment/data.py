@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 from alignment.drgrpo_grader import extract_gsm8k_answer
-from alignment.errors import MissingFileError, UserError, cli
+from alignment.errors import MissingFileError, UserError, cli, one_line_error
 from alignment.seeds import derive_seed
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -434,6 +434,7 @@ def format_prompt(template: str, question: str, columns: dict | None = None) -> 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m alignment.data", description="Fetch datasets.")
+    parser.error = one_line_error  # argparse's complaints as one line, as the other scripts'
     sub = parser.add_subparsers(dest="command", required=True)
     download = sub.add_parser("download", help="download a dataset into the data directory")
     download.add_argument("name", choices=["gsm8k"], help="dataset to fetch (MATH-style sets are copied by hand)")

@@ -9,6 +9,17 @@ keeps its traceback. Both subclass the builtin errors they replace, so `except V
 import errno
 import os
 import sys
+import time
+
+
+def one_line_error(message: str):
+    """A command line's complaint (argparse's `parser.error`, a flag's check) as `error: <message>`, exit status 2,
+    without argparse's usage block above it."""
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank parses: the line is said once, by rank 0
+        print(f"error: {message}", file=sys.stderr)
+    else:  # and the others end after it: the first rank to fail makes torchrun stop the rest, maybe before it printed
+        time.sleep(3)
+    sys.exit(2)
 
 
 class UserError(ValueError):

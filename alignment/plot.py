@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from alignment.errors import MissingFileError, UserError, cli
+from alignment.errors import MissingFileError, UserError, cli, one_line_error
 from alignment.run import PLOT_FILE, read_jsonl
 
 PANELS = [
@@ -154,6 +154,7 @@ def _style(key: str, n_runs: int) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m alignment.plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = one_line_error  # argparse's complaints as one line, as the other scripts'
     parser.add_argument("run_dirs", nargs="+", help="one or more run folders with metrics.jsonl (several: one plot)")
     parser.add_argument("--out", default=None, help="PNG path (default <run_dir>/curves.png; several runs: their parent)")
     parser.add_argument("--x", default="step", choices=("step", "generated_tokens"),

@@ -54,6 +54,20 @@ def test_unknown_flags_and_stray_words_say_what_was_meant(capsys):
     assert "--save_every must be at least 1" in one_error_line(capsys, RLArgs, ["--save_every", "0"])
 
 
+@pytest.mark.parametrize("module, argv, said", [
+    ("plot", ["--bogus"], "the following arguments are required: run_dirs"),
+    ("plot", ["run", "--x", "bogus"], "argument --x: invalid choice"),
+    ("calculator", ["--bogus"], "unrecognized arguments: --bogus"), ("data", [], "required: command")])
+def test_the_other_command_lines_complain_in_one_line_too(module, argv, said):
+    """plot, calculator and data printed argparse's usage block above their error (a probe round, 2026-12-02)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", f"alignment.{module}", *argv], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[1])
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("error: ")
+    assert said in done.stderr and "usage:" not in done.stderr
+
+
 def test_an_output_path_that_cannot_be_written_fails_before_the_work(tiny_model_dir, data_dir, tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
