@@ -25,6 +25,7 @@ import contextlib
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -72,6 +73,16 @@ def load_questions(args: RLArgs, log=print, script: str = "train_rl") -> tuple[l
         log(f"[{script}] {len(train_rows) - len(kept)} of {len(train_rows)} training questions are among the "
             f"{len(eval_rows)} evaluation questions ({eval_name}, --eval_limit {args.eval_limit}); they are left out "
             f"of training{later}.")
+    # a file's whole test split too, beyond --eval_limit: `evaluate --dataset FILE` scores all of it, and its hash
+    # keeps case, so "WHAT IS 3 + 7?" can fall in the train split while "What is 3 + 7?" is a test question
+    for name, flag in {eval_name: "--eval_dataset", args.dataset: "--dataset"}.items():
+        if data.is_file(name) and not Path(name).is_dir():  # (a `datasets` folder names its own splits)
+            test = {data.twin(row["question"]) for row in data.load_dataset(name, "test", **keys, flag=flag)}
+            copies = [row for row in kept if data.twin(row["question"]) in test]
+            if copies:
+                kept = [row for row in kept if data.twin(row["question"]) not in test]
+                log(f"[{script}] {len(copies)} more training questions are copies (in spacing or case) of questions "
+                    f"in the test split of {name}, which `alignment.evaluate --dataset {name}` scores; left out too.")
     if not kept:
         raise UserError(f"every training question of {args.dataset} is also an evaluation question; choose a "
                         f"task with more distinct problems or a different --eval_dataset.")

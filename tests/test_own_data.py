@@ -379,6 +379,23 @@ def test_a_question_that_differs_only_in_case_is_left_out_of_training_too(tmp_pa
     assert data.held_out("What is 13 + 19?") == data.held_out(" What  is 13 + 19?")  # spacing: one split
 
 
+def test_copies_of_any_test_question_of_a_file_are_left_out_whatever_the_eval_limit(tmp_path):
+    """Only the first --eval_limit test questions were compared: with --eval_limit 4 (or 0) the upper-case copies of
+    the rest were trained on, and `evaluate --dataset FILE` then scored them (a probe round, 2026-12-02)."""
+    from alignment.train_rl import load_questions
+    questions = [f"What is {a} + {b}?" for a in range(10) for b in range(10)]
+    rows = [{"question": text, "answer": "1"} for q in questions for text in (q, q.upper(), "  " + q)]
+    (tmp_path / "twins.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    test = {data.twin(r["question"]) for r in data.load_dataset(str(tmp_path / "twins.jsonl"), "test")}
+    for limit in (100, 4, 0):
+        lines = []
+        kept, _, _ = load_questions(RLArgs(dataset=str(tmp_path / "twins.jsonl"), eval_limit=limit,
+                                           rollout_batch_size=2, group_size=2), lines.append)
+        assert kept and not {data.twin(r["question"]) for r in kept} & test, limit
+        assert limit == 100 or any("copies (in spacing or case) of questions in the test split" in line
+                                   for line in lines), lines
+
+
 def test_rl_says_which_split_of_an_eval_file_it_evaluates_and_names_the_eval_flag(own, tmp_path):
     from alignment.train_rl import load_questions
     lines = []
