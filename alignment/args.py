@@ -199,6 +199,9 @@ def _order(title: str) -> int:
 _fail = one_line_error
 
 
+SAME_FLAG = {"lr": "learning_rate", "learning_rate": "lr"}  # one setting, named by SFT/EI and by train_rl
+
+
 def _unknown_flag(unknown: list[str], cls) -> str:
     """What to say about the first command-line word `cls` has no flag for: a flag of another script, a
     near miss of one of its own, or a stray word."""
@@ -210,7 +213,9 @@ def _unknown_flag(unknown: list[str], cls) -> str:
     owners = [f"alignment.{script}" for script, other in SCRIPTS.items()
               if other is not cls and name in {f.name for f in fields(other)}]
     if owners:
-        return f"--{name} is a flag of {' and '.join(owners)}, not of this script (see --help)."
+        same = SAME_FLAG.get(name)
+        return f"--{name} is a flag of {' and '.join(owners)}, not of this script" + (
+            f"; its own is --{same}." if same in own else " (see --help).")
     guess = difflib.get_close_matches(name, own, n=1)
     return f"unknown flag --{name}" + (f"; did you mean --{guess[0]}?" if guess else " (see --help).")
 
@@ -331,8 +336,13 @@ class OwnDataArgs:
             if not path.is_file():
                 raise ValueError(f"--prompt_file {path} does not exist; check the path.")
             from alignment.data import read_prompt_file
-            if "{question}" not in read_prompt_file(self.prompt_file):  # not UTF-8: one line naming the byte
-                raise ValueError(f"--prompt_file {path} has no {{question}}: write it where the question goes.")
+            text = read_prompt_file(self.prompt_file)  # not UTF-8: one line naming the byte
+            if "{question}" not in text:
+                import re
+                fancy = re.search(r"\{question[!:.\[][^}]*\}", text)  # str.format's extras, which it does not run
+                raise ValueError(f"--prompt_file {path} has no {{question}}" + (
+                    f": {fancy[0]} asks for a conversion, format or field the template does not apply; write plain "
+                    f"{{question}}." if fancy else ": write it where the question goes."))
         if self.reward_fn:
             from alignment.user_reward import check_timeout, split_spec
             split_spec(self.reward_fn)

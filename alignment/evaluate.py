@@ -172,7 +172,7 @@ def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: Sam
         "avg_format_rewards": _mean(r["format_reward"] for r in records),
         "avg_answer_rewards": _mean(r["answer_reward"] for r in records),
         "avg_all_rewards": _mean(r["reward"] for r in records),
-        **({"reward_failures": sum(r["reward_failed"] for r in records)} if records and "reward_failed" in records[0] else {}),
+        **({"reward_failures": int(sum(r["reward_failed"] for r in records))} if records and "reward_failed" in records[0] else {}),
         "mean_response_tokens": n_tokens / max(len(records), 1),
         "tokens_per_s": n_tokens / max(seconds, 1e-9),
         "generation_s": seconds,

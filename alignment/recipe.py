@@ -119,7 +119,10 @@ def _unknown(name: str, cls, script: str, scripts: dict) -> str:
     owners = [f"alignment.{other}" for other, other_cls in scripts.items()
               if other != script and name in {f.name for f in fields(other_cls)}]
     if owners:
-        return f"{name} is a flag of {' and '.join(owners)}, not of alignment.{script} (see --help)."
+        from alignment.args import SAME_FLAG
+        same = SAME_FLAG.get(name)
+        return f"{name} is a flag of {' and '.join(owners)}, not of alignment.{script}" + (
+            f"; its own is {same}." if same in own else " (see --help).")
     guess = difflib.get_close_matches(name, own, n=1)
     return f"unknown key {name}" + (f"; did you mean {guess[0]}?" if guess else
                                     f": not a flag of alignment.{script} (see --help).")

@@ -45,7 +45,8 @@ def test_every_number_has_a_range_and_one_outside_it_is_refused_by_name(cls, cap
 
 def test_unknown_flags_and_stray_words_say_what_was_meant(capsys):
     assert "did you mean --n_steps?" in one_error_line(capsys, RLArgs, ["--n_stepz", "3"])
-    assert "--lr is a flag of alignment.sft and alignment.expert_iteration, not" in one_error_line(capsys, RLArgs, ["--lr", "1e-3"])
+    assert "--lr is a flag of alignment.sft and alignment.expert_iteration, not of this script; its own is " \
+        "--learning_rate." in one_error_line(capsys, RLArgs, ["--lr", "1e-3"])
     assert "--lora_rank is a flag of alignment.sft and alignment.train_rl, not" in one_error_line(  # every owner
         capsys, EvalArgs, ["--lora_rank", "4"])
     assert "--loss_type is a flag of alignment.train_rl" in one_error_line(capsys, SFTArgs, ["--loss_type", "gspo"])

@@ -101,6 +101,8 @@ def test_own_data_flags_are_checked_when_parsed(own, capsys):
              (EvalArgs, ["--dataset", str(own / "none.jsonl")], "none.jsonl does not exist")]
     (own / "bare.prompt").write_text("Answer this.")
     cases.append((EvalArgs, ["--prompt_file", str(own / "bare.prompt")], "has no {question}"))
+    (own / "fancy.prompt").write_text("Q: {question!r} A:")  # str.format's extras, which the template does not run
+    cases.append((EvalArgs, ["--prompt_file", str(own / "fancy.prompt")], "{question!r} asks for a conversion"))
     (own / "rw.txt").write_text("def f(response, ground_truth, **columns):\n    return 1.0\n")
     for where in (own / "rw.txt", own / "rw", "examples/tolerance/reward"):  # not a .py file, not a module name
         cases.append((RLArgs, ["--reward_fn", f"{where}:f"], "is neither a .py file nor a module name"))

@@ -102,7 +102,8 @@ def test_the_command_line_overrides_the_recipe_and_values_are_typed_as_flags(tmp
 @pytest.mark.parametrize("text, says", [
     ("group_sze = 8", "unknown key group_sze; did you mean group_size?"),
     ("no_eval_before_train = true", "write eval_before_train = false"),
-    ("lr = 1e-3", "lr is a flag of alignment.sft and alignment.expert_iteration, not of alignment.train_rl"),
+    ("lr = 1e-3", "lr is a flag of alignment.sft and alignment.expert_iteration, not of alignment.train_rl; its own "
+                  "is learning_rate."),
     ("group_size = 8.0", "group_size = 8.0, but --group_size takes an integer"),
     ("group_size = true", "group_size = true, but --group_size takes an integer"),
     ("learning_rate = \"3e-5\"", "learning_rate = \"3e-5\", but --learning_rate takes a number"),
