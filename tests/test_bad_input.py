@@ -64,7 +64,7 @@ def test_the_other_command_lines_complain_in_one_line_too(module, argv, said):
     import subprocess
     import sys
     done = subprocess.run([sys.executable, "-m", f"alignment.{module}", *argv], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).parents[1])
+                          timeout=600, cwd=Path(__file__).parents[1])
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("error: ")
     assert said in done.stderr and "usage:" not in done.stderr
 
