@@ -193,10 +193,10 @@ def test_lora_refusals(tiny_model_dir, tmp_path, monkeypatch, capsys):
 def test_lora_under_torchrun_is_refused_when_parsed_in_one_line_from_rank_0(monkeypatch, capsys):
     """Issue 77: the refusal came after the process group started, from every rank. Now each rank refuses when it
     parses its flags; rank 0 says the line, the others end after it (torchrun's own summary follows: docs say so)."""
-    import alignment.args
+    import alignment.errors
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     slept = []
-    monkeypatch.setattr(alignment.args.time, "sleep", slept.append)
+    monkeypatch.setattr(alignment.errors.time, "sleep", slept.append)
     for rank, said in (("0", True), ("1", False)):
         monkeypatch.setenv("RANK", rank)
         for cls in (RLArgs, SFTArgs):
