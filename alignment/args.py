@@ -84,7 +84,7 @@ def parse(cls, argv=None):
         argv, recipe_path = take_config(argv)
         recipe, recipe_given = read_recipe(recipe_path, cls, SCRIPTS) if recipe_path else ({}, set())
     except ValueError as e:
-        _fail(str(e))
+        one_line_error(str(e))
     parser = build_parser(cls)
     parser.set_defaults(**recipe)  # under the command line: a flag given there wins
     namespace, unknown = parser.parse_known_args(argv)
@@ -123,7 +123,7 @@ def parse(cls, argv=None):
         if isinstance(args, OwnDataArgs):
             args.check_own_data()
     except ValueError as e:
-        _fail(str(e))
+        one_line_error(str(e))
     args.given_flags = given  # (not a field) a resume names the flags the user changed before what they implied
     return args
 
@@ -155,7 +155,7 @@ def build_parser(cls) -> argparse.ArgumentParser:
                                             "(recipes/ holds examples) or a run's config.json; flags given on the "
                                             "command line override it (docs/recipes.md).", allow_abbrev=False,
                                      formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32))
-    parser.error = _fail  # argparse's own complaints (a bad int, a missing value) as one line too
+    parser.error = one_line_error  # argparse's own complaints (a bad int, a missing value) as one line too
     sections = {}
     for f in sorted(fields(cls), key=lambda f: _order(_group(cls, f))):
         title = _group(cls, f)
@@ -194,9 +194,6 @@ def _group(cls, f) -> str:
 
 def _order(title: str) -> int:
     return list(GROUPS).index(title) if title in GROUPS else len(GROUPS)
-
-
-_fail = one_line_error
 
 
 SAME_FLAG = {"lr": "learning_rate", "learning_rate": "lr"}  # one setting, named by SFT/EI and by train_rl

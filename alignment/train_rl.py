@@ -78,10 +78,9 @@ def load_questions(args: RLArgs, log=print, script: str = "train_rl") -> tuple[l
     for name, flag in {eval_name: "--eval_dataset", args.dataset: "--dataset"}.items():
         if data.is_file(name) and not Path(name).is_dir():  # (a `datasets` folder names its own splits)
             test = {data.twin(row["question"]) for row in data.load_dataset(name, "test", **keys, flag=flag)}
-            copies = [row for row in kept if data.twin(row["question"]) in test]
-            if copies:
-                kept = [row for row in kept if data.twin(row["question"]) not in test]
-                log(f"[{script}] {len(copies)} more training questions are copies (in spacing or case) of questions "
+            before, kept = len(kept), [row for row in kept if data.twin(row["question"]) not in test]
+            if len(kept) < before:
+                log(f"[{script}] {before - len(kept)} more training questions are copies (in spacing or case) of questions "
                     f"in the test split of {name}, which `alignment.evaluate --dataset {name}` scores; left out too.")
     if not kept:
         raise UserError(f"every training question of {args.dataset} is also an evaluation question; choose a "
