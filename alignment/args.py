@@ -312,7 +312,7 @@ class OwnDataArgs:
     reward_fn: str | None = arg(None, "a reward of your own: path/to/file.py:name or package.module:name, called as name(response, ground_truth, **columns) and returning a float or {reward, format_reward?, answer_reward?}; run in a worker with --reward_timeout per call (a call that hangs, raises or returns nonsense scores 0, counted as reward_failures)")
     reward_timeout: float = arg(10.0, "seconds one --reward_fn call may take before its sample scores 0 (counted); at most 86400")
     accept_changed_reward: bool = arg(False, "--resume a run whose --reward_fn file changed since it started (its sha256 is in config.json)")
-    accept_changed_data: bool = arg(False, "--resume a run whose --prompt_file or --dataset / --eval_dataset file changed since it started (their sha256 are in config.json)")
+    accept_changed_data: bool = arg(False, "--resume a run whose --prompt_file or --dataset / --eval_dataset file (a built-in set: its file in the data folder) changed since it started (their sha256 are in config.json)")
 
     def own_data_moot(self) -> dict[str, str]:
         from alignment.data import is_file
@@ -320,7 +320,10 @@ class OwnDataArgs:
         keys = {} if files else {name: "without a --dataset file (the built-in sets name their own columns)"
                                  for name in ("question_key", "answer_key")}
         reward = {} if self.reward_fn else {name: "without --reward_fn" for name in ("reward_timeout", "accept_changed_reward")}
-        data = {} if files or self.prompt_file else {"accept_changed_data": "without --prompt_file or a --dataset file"}
+        from alignment.data import BUILTIN_FILES
+        builtin = any(name in BUILTIN_FILES for name in (getattr(self, "dataset", ""), getattr(self, "eval_dataset", None)))
+        data = {} if files or builtin or self.prompt_file else {
+            "accept_changed_data": "without --prompt_file, a --dataset file or a built-in set's file (gsm8k, MATH-style)"}
         # what a resume compares: moot in a run that starts afresh, and in evaluate, which never resumes
         fresh = {} if getattr(self, "resume", None) else {name: "without --resume (it accepts a file changed since "
                                                           "the run's checkpoint)" for name in ("accept_changed_reward",
@@ -715,7 +718,7 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     response_key: str = arg("response", "the column of --train_file that holds the response")
     question_key: str = arg("question", "the column of an --eval_dataset file that holds the question")
     answer_key: str = arg("answer", "the column of an --eval_dataset file that holds the gold answer (text or number)")
-    accept_changed_data: bool = arg(False, "--resume a run whose --train_file or --eval_dataset file changed since it started (their sha256 are in config.json)")
+    accept_changed_data: bool = arg(False, "--resume a run whose --train_file or --eval_dataset file (a built-in set: its file in the data folder) changed since it started (their sha256 are in config.json)")
     data_dir: str | None = arg(None, "data folder (default $ALIGNMENT_DATA_DIR, else dataset/)")
     rg_size: int = arg(2000, "problems generated for an rg: dataset")
     worked_style: str = arg("chain", "how an rg: task's worked solutions are written: chain (`8 - 2 = 6. 6 + 7 = 13.`), rewrite (`8 - 2 + 7 = 6 + 7 = 13.`, the expression again after each operation), places (chain, with a product by a number of several digits written out by place values: `15 * 43 = 15 * 40 + 15 * 3. ...`) tool (a Python block, its output, `\\boxed{}`: the tir prompt, evaluated with --rollout_mode tir) or counted (chain, each step opened by the position of the term it adds: `#2 8 + 2 = 10. #3 10 + 7 = 17.`). For gsm8k: chain (the default) is the reference solution with its calculator annotations removed, r1_zero format; tool turns each annotation into a Python block whose output the sandbox prints (loss 0 on it) before the line that uses it, ending in `\\boxed{}`, under the tir prompt, evaluated with --rollout_mode tir (alignment/calculator.py)", ("chain", "rewrite", "places", "tool", "counted"))
@@ -751,8 +754,10 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
         eval_file = self.eval_limit and is_file(self.eval_dataset or "")
         keys = {} if eval_file else {name: "without an --eval_dataset file (the built-in sets name their own columns)"
                                      for name in ("question_key", "answer_key")}
-        if not (eval_file or self.train_file):
-            keys["accept_changed_data"] = "without --train_file or an --eval_dataset file"
+        from alignment.data import BUILTIN_FILES
+        builtin = (self.dataset in BUILTIN_FILES and not self.train_file) or (self.eval_limit and self.eval_dataset in BUILTIN_FILES)
+        if not (eval_file or self.train_file or builtin):
+            keys["accept_changed_data"] = "without --train_file, an --eval_dataset file or a built-in set's file"
         elif not self.resume:
             keys["accept_changed_data"] = "without --resume (it accepts a file changed since the run's checkpoint)"
         generated = {} if self.dataset.startswith("rg:") else {name: f"with --dataset {self.dataset}"

@@ -26,6 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data"
 MATH_STYLE = ("math500", "aime24", "aime25", "amc23", "olympiadbench")
+BUILTIN_FILES = ("gsm8k", *MATH_STYLE)  # sets read from the data folder (a resume compares their files)
 DATASETS = ("gsm8k",) + MATH_STYLE
 
 
@@ -223,7 +224,7 @@ HELD_OUT_EVERY = 10  # a file's test split: one question in ten, by a hash of it
 
 def is_file(name: str) -> bool:
     """Whether --dataset names a user's file or folder rather than a built-in set or an rg: task."""
-    return bool(name) and (name.endswith(FILE_KINDS) or name not in DATASETS and not name.startswith("rg:") and (
+    return bool(name) and (name.lower().endswith(FILE_KINDS) or name not in DATASETS and not name.startswith("rg:") and (
         "/" in name or Path(name).exists()))
 
 
@@ -293,7 +294,7 @@ def load_file(path: str, split: str, question_key: str = "question", answer_key:
 
 def load_pairs(path: str, prompt_key: str = "prompt", response_key: str = "response") -> list[dict]:
     """SFT's --train_file: {prompt, response} rows from the named columns of any file load_file reads."""
-    if path.endswith(".jsonl"):  # every line checked, with its number
+    if path.lower().endswith(".jsonl"):  # every line checked, with its number
         rows = read_jsonl(Path(path), (prompt_key, response_key), all_empty_ok=False)
     else:
         rows = _read_table(Path(path), "all", "--train_file")[0]
@@ -323,17 +324,18 @@ def _read_table(path: Path, split: str, flag: str = "--dataset") -> tuple[list[d
                                     f"split, or save one dataset (its test split is then held out by question).")
                 return saved[split].to_list(), True
             return saved.to_list(), False
-        if path.suffix == ".jsonl":
+        kind = path.suffix.lower()  # (`.JSONL` as some tools name it)
+        if kind == ".jsonl":
             return read_jsonl(path, (), text=()), False
-        if path.suffix == ".json":
+        if kind == ".json":
             rows = json.loads(path.read_text(encoding="utf-8-sig"))  # -sig: a BOM is not part of the text
             if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
                 raise UserError(f"{flag} {path} must hold a JSON list of objects, one per question.")
             return rows, False
-        if path.suffix == ".parquet":
+        if kind == ".parquet":
             import pyarrow.parquet
             return pyarrow.parquet.read_table(path).to_pylist(), False
-        if path.suffix == ".csv":
+        if kind == ".csv":
             import csv
             with open(path, newline="", encoding="utf-8-sig") as f:  # as Excel saves it: the BOM is no column name
                 return _csv_rows(csv.DictReader(f), path), False
@@ -346,6 +348,10 @@ def _read_table(path: Path, split: str, flag: str = "--dataset") -> tuple[list[d
 
 def _csv_rows(reader, path: Path) -> list[dict]:
     """The CSV's rows; one with more fields than the header is refused (DictReader keeps the extra under None)."""
+    twice = sorted({name for name in reader.fieldnames or () if (reader.fieldnames or []).count(name) > 1})
+    if twice:  # DictReader would keep the last column of the name, silently
+        raise UserError(f"{path}: the header names {', '.join(map(repr, twice))} more than once; give each column its "
+                        f"own name.")
     rows = []
     for row in reader:
         if None in row:
@@ -356,7 +362,35 @@ def _csv_rows(reader, path: Path) -> list[dict]:
     return rows
 
 
-def load_dataset(name: str, split: str = "test", data_dir: str | None = None, size: int = 2000,
+EVALUATE_RG_SIZE = 2000  # the rg: test rows `alignment.evaluate` makes (and scores all of on a GPU, --limit 0)
+
+
+def builtin_files(name: str, data_dir: str | None = None) -> list[Path]:
+    """The files a built-in set is read from (under --data_dir, else ALIGNMENT_DATA_DIR), when all are there: a
+    resume compares their sha256, so a run that moved to another data folder says so. [] for anything else."""
+    folder = resolve_data_dir(data_dir)
+    paths = ([folder / "gsm8k" / f"{split}.jsonl" for split in ("train", "test")] if name == "gsm8k" else
+             [folder / name / "test.jsonl"] if name in MATH_STYLE else [])
+    return paths if paths and all(path.is_file() for path in paths) else []
+
+
+def test_twins(name: str, data_dir: str | None = None, question_key: str = "question", answer_key: str = "answer",
+               flag: str = "--dataset") -> set[str]:
+    """The twins of every question `alignment.evaluate --dataset name` can score: its whole test split (a file's
+    hashed tenth, a `datasets` folder's own test split, an rg: task's EVALUATE_RG_SIZE rows at its fixed test seed,
+    GSM8K's 1,319). The scripts leave them out of training whatever their own --eval_limit. A `datasets` folder
+    whose splits leave out `test` has none to score."""
+    if is_file(name) and Path(name).is_dir() and (Path(name) / "dataset_dict.json").is_file():
+        try:
+            if "test" not in json.loads((Path(name) / "dataset_dict.json").read_text()).get("splits", ["test"]):
+                return set()
+        except (OSError, ValueError, AttributeError):
+            pass  # (load_dataset says what is wrong with the folder)
+    return {twin(row["question"]) for row in load_dataset(name, "test", data_dir, size=EVALUATE_RG_SIZE,
+                                                        question_key=question_key, answer_key=answer_key, flag=flag)}
+
+
+def load_dataset(name: str, split: str = "test", data_dir: str | None = None, size: int = EVALUATE_RG_SIZE,
                  seed: int = 0, question_key: str = "question", answer_key: str = "answer",
                  flag: str = "--dataset") -> list[dict]:
     """Rows for `name`: gsm8k, a MATH-style set, `rg:<task>` (reasoning-gym; `size` problems generated from

@@ -176,8 +176,8 @@ def _equal_scalar(given, truth, fast, deadline):
         value = _to_number(given)
         if value is None:
             value = _lone_number(given)
-        if value is not None:  # integers exactly (a 10-digit product one off is wrong); else within a relative
-            if value.denominator == 1 and truth_value.denominator == 1:  # 1e-9, for `0.333333333333` against `1/3`
+        if value is not None:  # an integer gold exactly (a 10-digit product one off, or half off, is wrong); else
+            if truth_value.denominator == 1:  # within a relative 1e-9, for `0.333333333333` against `1/3`
                 return value == truth_value
             return abs(value - truth_value) <= Fraction(1, 10**9) * abs(truth_value)
         if re.search(r"\d", given) and not re.search(r"[\\^]", given):

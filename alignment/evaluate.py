@@ -30,6 +30,7 @@ from alignment.drgrpo_grader import extract_boxed, extract_last_number, normaliz
 from alignment.rollout import traces
 from alignment.run import LOCK_FILE, lock_folder, run_config
 from alignment.samplers import make_sampler, pick_backend
+from alignment.user_reward import zero_failed_parts
 from alignment.sampling import SamplingParams
 
 # rollout mode -> its generate function; picked once, by name
@@ -156,10 +157,11 @@ def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: Sam
         sampler.progress = shown
     seconds = time.perf_counter() - start
     records = []
-    for trace in all_traces:
+    # a --reward_fn call that failed scored its sample 0, format and answer too (where other calls return them)
+    scores = zero_failed_parts([score(trace[-1], rows[trace[-1].group_id]) for trace in all_traces])
+    for trace, scored in zip(all_traces, scores):
         last = trace[-1]
-        rewards = {k: None if isinstance(v, float) and math.isnan(v) else v  # absent parts: null in the JSON
-                   for k, v in score(last, rows[last.group_id]).items()}
+        rewards = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in scored.items()}  # absent: null
         records.append({"prompt": texts[last.group_id], "response": last.text,
                         "ground_truth": rows[last.group_id]["answer"], "problem": last.group_id,
                         "sample": last.trace_id - last.group_id * params.n,

@@ -201,6 +201,16 @@ def _to_sympy(text):
     return expr
 
 
+def _integral(x):
+    """A float that writes an integer (`1.2345678901e10`, `1e+20`, `24.0`) as that integer, compared exactly."""
+    import sympy
+
+    if not (x.is_Float and x.is_finite):
+        return x
+    exact = sympy.Rational(str(x))  # the decimal it writes, exactly (not its binary value; Float == int is False)
+    return exact if exact.q == 1 else x
+
+
 def _sympy_equal(given, truth):
     import sympy
 
@@ -211,8 +221,9 @@ def _sympy_equal(given, truth):
         return sympy.simplify(g - t) == 0 or sympy.simplify(g + t) == 0
     g, t = _to_sympy(given), _to_sympy(truth)
     if g.is_number and t.is_number:  # exact numbers exactly (a 10-digit product one off is wrong); with a float
-        difference = sympy.simplify(g - t)  # or an irrational in it, within a relative 1e-9 (`0.3333333333333`, 1/3)
-        if difference == 0 or difference.is_Rational:
+        g, t = _integral(g), _integral(t)  # or an irrational in it, within a relative 1e-9 (`0.3333333333333`, 1/3);
+        difference = sympy.simplify(g - t)  # an integer gold (`1.2345678901e10` too) only by the same integer
+        if difference == 0 or difference.is_Rational or t.is_Integer:
             return difference == 0
         diff = abs(complex(sympy.N(difference, 30)))
         scale = max(abs(complex(sympy.N(g, 30))), abs(complex(sympy.N(t, 30))))

@@ -16,6 +16,7 @@ import einx
 import torch
 
 from alignment.estimators import clamped_log_ratio, compute_gspo_loss, kl_penalty
+from alignment.user_reward import zero_failed_parts
 
 LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip", "gspo")
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "trace-length")
@@ -73,6 +74,7 @@ def reward_metrics(raw_rewards: torch.Tensor, scores: list[dict], group_size: in
         "reward_min": raw_rewards.min().item(),
         "zero_std_fraction": (spread == 0).float().mean().item(),
     }
+    scores = zero_failed_parts(scores)  # a --reward_fn call that failed scored 0, its parts too
     for key in scores[0]:
         if key != "reward":  # a part a --reward_fn did not return is NaN: left out, and NaN when none has it
             present = [float(s[key]) for s in scores if not math.isnan(float(s[key]))]

@@ -264,8 +264,12 @@ class Run:
                   f"{saved[key][:12]} then, {now[:12]} now)" for key, now in self.data_hashes.items()
                   if key in saved and saved[key] != now]  # a run saved before the hashes were kept: nothing to compare
         if edited and not getattr(self.args, "accept_changed_data", False):
-            raise UserError(f"{', '.join(edited)}: the file changed since the run's checkpoint: restore it, or pass "
-                            f"--accept_changed_data to go on with the new one.")
+            from alignment.data import BUILTIN_FILES
+            builtin = any(getattr(self.args, key.removesuffix("_sha256"), None) in BUILTIN_FILES
+                          for key, now in self.data_hashes.items() if key in saved and saved[key] != now)
+            where = " (a built-in set: its files under --data_dir / ALIGNMENT_DATA_DIR)" if builtin else ""
+            raise UserError(f"{', '.join(edited)}: the file changed since the run's checkpoint{where}: restore it, or "
+                            f"pass --accept_changed_data to go on with the new one.")
         if changed:
             raise UserError(f"resume with the flags of the original run; these differ: {', '.join(typed or implied)}"
                             + (f" (and, implied by them, {', '.join(implied)})" if typed and implied else "")
@@ -297,7 +301,13 @@ def _data_hash(args) -> dict:
         hashes["prompt_file_sha256"] = hashlib.sha256(data.read_prompt_file(args.prompt_file).encode()).hexdigest()
     for flag in ("dataset", "eval_dataset", "train_file"):
         path = Path(getattr(args, flag, None) or "")
-        if data.is_file(str(getattr(args, flag, None) or "")) and path.exists():
+        builtin = data.builtin_files(str(getattr(args, flag, None) or ""), getattr(args, "data_dir", None))
+        if builtin:  # gsm8k and the MATH-style sets: the files of the data folder the run reads
+            digest = hashlib.sha256()
+            for file in builtin:
+                digest.update(file.name.encode() + b"\0" + file.read_bytes())
+            hashes[f"{flag}_sha256"] = digest.hexdigest()
+        elif data.is_file(str(getattr(args, flag, None) or "")) and path.exists():
             digest = hashlib.sha256(b"" if path.is_dir() else path.read_bytes())  # a file: what sha256sum says
             for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []:
                 digest.update(str(file.relative_to(path)).encode() + b"\0" + file.read_bytes())

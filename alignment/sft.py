@@ -86,11 +86,12 @@ def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = (),
                                     f"{{\"prompt\", \"response\"}} objects.")
         examples = data.load_pairs(args.train_file, args.prompt_key, args.response_key)
     elif args.dataset == "gsm8k":
-        rows = data.load_gsm8k("train", args.data_dir)
+        held_out = held_out_twins(args, eval_rows)
+        rows = [row for row in data.load_gsm8k("train", args.data_dir) if data.twin(row["question"]) not in held_out]
         examples = gsm8k_tool_examples(rows, template, log) if args.worked_style == "tool" else \
             [gsm8k_sft_example(row, template) for row in rows]
     elif args.dataset.startswith("rg:"):
-        held_out = {data.twin(row["question"]) for row in eval_rows}  # compared as train_rl compares them
+        held_out = held_out_twins(args, eval_rows)
         rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
         prompts = [(data.format_prompt(template, row["question"]), row) for row in rows
                    if data.twin(row["question"]) not in held_out]
@@ -177,6 +178,16 @@ def eval_tool_calls(args: SFTArgs) -> int:
     """The evaluation's --max_tool_calls: as many calls as a training solution makes at most (GSM8K's tool
     style: one per calculator annotation, up to calculator.MAX_TOOL_CALLS; an rg: task's: one)."""
     return calculator.MAX_TOOL_CALLS if args.dataset == "gsm8k" and prompt_name(args) == "tir" else 1
+
+
+def held_out_twins(args: SFTArgs, eval_rows: list[dict]) -> set[str]:
+    """What SFT never trains on, compared as train_rl compares it: the evaluation rows and every question of the test
+    split of --dataset (and of --eval_dataset) that `alignment.evaluate` can score, also with --eval_limit 0."""
+    names = {args.dataset} | ({args.eval_dataset} if args.eval_dataset else set())
+    keys = dict(question_key=args.question_key, answer_key=args.answer_key)
+    return {data.twin(row["question"]) for row in eval_rows}.union(
+        *(data.test_twins(name, args.data_dir, flag="--eval_dataset" if name != args.dataset else "--dataset", **keys)
+          for name in names))
 
 
 def load_eval_rows(args: SFTArgs) -> list[dict]:

@@ -39,6 +39,14 @@ ARGUMENTS = ("response", "ground_truth")  # the function's own arguments, which 
 KEYS = ("format_reward", "answer_reward")  # the optional parts of a reward dict
 
 
+def zero_failed_parts(scores: list[dict]) -> list[dict]:
+    """The scores with a failed call's parts set to 0 where another call returned that part: a failure scores its
+    sample 0, format and answer included, so a mean over the samples counts it; a part no working call returned stays
+    absent (NaN). Without this, a reward that raises on bad answers would leave them out of the format and answer rates."""
+    returned = {key for s in scores if not s.get("reward_failed") for key in KEYS if not math.isnan(s.get(key, math.nan))}
+    return [{**s, **dict.fromkeys(returned, 0.0)} if s.get("reward_failed") else s for s in scores]
+
+
 def split_spec(spec: str) -> tuple[str, str]:
     """`file.py:name` or `module:name` -> (file or module, name), refused in one line when malformed."""
     where, colon, name = spec.rpartition(":")
@@ -215,7 +223,12 @@ def _serve(spec: str):
         deadline = time.monotonic() + limit
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([read_fd], [], [], left)[0]:
+            ready = select.select([read_fd, 0], [], [], max(left, 0))[0] if left > 0 else []
+            if ready == [0]:  # the run sends nothing during a call: its stdin readable is its end (EOF), a run
+                os.kill(child, signal.SIGKILL)  # stopped at once: the call ends with it, not at its time limit
+                os.waitpid(child, 0)
+                return
+            if not ready:
                 os.kill(child, signal.SIGKILL)
                 answer = json.dumps({"error": f"it took more than {limit:g} s (--reward_timeout)"}).encode()
                 break

@@ -54,7 +54,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, one_line, positive, run_all
+from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, one_line, positive, run_all, write_own
 from tir_demo import question, shorten, summary
 
 from alignment.run import read_jsonl
@@ -273,7 +273,7 @@ def write_table(args, out: Path, seconds: dict) -> dict:
                 lines.append(f"| {seed} | {arm} | {heads[n]} | " + " | ".join(
                     f"{wrong} / {reached}" if reached else "-" for wrong, reached in bands.values()) + " | " + ", ".join(
                     f"{kind} {count}" for kind, count in kinds.most_common()) + " |")
-    (out / "delethink_demo.md").write_text("\n".join(lines) + "\n")
+    write_own(out / "delethink_demo.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return rates
 
@@ -337,7 +337,7 @@ def write_samples(args, out: Path, count: int = 2):
             lines.append(f"### seed {seed}, LongCoT after RL, 15 terms, {k * args.budget} tokens")
             lines += [f"- {question(r['prompt'])} (gold {r['ground_truth']}, answer reward {r['answer_reward']:.0f}, "
                       f"{r['finish_reason']}): `{shorten(r['response'], 1200)}`" for r in records[:count]]
-    (out / "samples.md").write_text("\n".join(lines) + "\n")
+    write_own(out / "samples.md", "\n".join(lines) + "\n")
 
 
 def parse_args(argv: list[str] | None = None):

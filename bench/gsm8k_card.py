@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from steps_demo import (NAME, ROOT, STAGES_FILE, Stage, check_flags, joined, one_line, positive, read_record,
-                        refuse_driver_flags, run_all, times, write_record)
+                        refuse_driver_flags, run_all, times, write_own, write_record)
 
 from alignment.calculator import MAX_TOOL_CALLS
 from alignment.drgrpo_grader import extract_boxed
@@ -230,18 +230,6 @@ def cell(value, digits: int = 3) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
-def write_own(path: Path, text: str):
-    """Write the card, unless the file there is not the one this driver last wrote (its sha256 is in card.json): a
-    reader's edits or a file of the user's are never replaced; one line says so."""
-    record = path.with_name("card.json")
-    known = read_record(record, lambda v: isinstance(v, str))
-    if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() != known.get(path.name):
-        sys.exit(f"{NAME} error: {path} is not the card this driver last wrote (edited, or a file of yours): move it "
-                 f"away and run again (the stages' results are kept).")
-    path.write_text(text)
-    write_record(record, {**known, path.name: hashlib.sha256(text.encode()).hexdigest()})
-
-
 def write_card(args, out: Path, seconds: dict):
     """The report card: one row per trained model and arm; nanochat's rows beside them."""
     counts = {name: evaluation(name, out) for name in (f"{p}{m}" for p in ("eval-", f"pass{K}-") for arm in args.arms
@@ -287,7 +275,7 @@ def write_card(args, out: Path, seconds: dict):
                 lines.append(f"- rl-{arm}-seed{seed}: {rl['steps']} steps, reward {rl['reward']:.3f}, groups with signal "
                              f"{cell(rl['groups_with_signal'], 2)}, sample {rl['sample_s'] / rl['step_s']:.0%} / train "
                              f"{rl['train_s'] / rl['step_s']:.0%}, {rl['tokens'] / max(rl['sample_s'], 1e-9):.0f} tok/s")
-    write_own(out / "gsm8k_card.md", "\n".join(lines) + "\n")
+    write_own(out / "gsm8k_card.md", "\n".join(lines) + "\n", record="card.json")
     print("\n".join(lines))
 
 

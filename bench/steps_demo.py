@@ -27,6 +27,7 @@ after SFT and after RL).
 """
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -135,6 +136,18 @@ def read_record(path: Path, valid) -> dict:
         sys.exit(f"{NAME} error: {path} is not the JSON record this driver writes (empty, cut short or edited): "
                  f"restore it, or choose another --out (without it the driver cannot tell which folders it made).")
     return value
+
+
+def write_own(path: Path, text: str, record: str = "written.json"):
+    """Write a report of the driver's (its table, samples.md, a card), unless the file there is not the one it last
+    wrote (its sha256 is in `record` beside it): a reader's edits or a file of the user's are never replaced; one
+    line says so, and the stages' results stay for the next run."""
+    known = read_record(path.with_name(record), lambda v: isinstance(v, str))
+    if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() != known.get(path.name):
+        sys.exit(f"{NAME} error: {path} is not the file this driver last wrote (edited, or a file of yours): move it "
+                 f"away and run again (the stages' results are kept).")
+    path.write_text(text)
+    write_record(path.with_name(record), {**known, path.name: hashlib.sha256(text.encode()).hexdigest()})
 
 
 def write_record(path: Path, value: dict):
@@ -419,7 +432,7 @@ def write_table(rows: list[dict], base: dict, out: Path, args):
     lines += ["", "In-run evaluation (train_rl, every 5 steps, the seed's own held-out split): "
               + "; ".join(f"seed {r['seed']}: " + ", ".join(f"{step}: {rate:.2f}" for step, rate in r["curve"])
                           for r in rows)]
-    (out / "steps_demo.md").write_text("\n".join(lines) + "\n")
+    write_own(out / "steps_demo.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -432,7 +445,7 @@ def write_samples(rows: list[dict], out: Path, count: int = 3):
             lines.append(f"### seed {r['seed']}, after {model.upper()}")
             lines += [f"- {question(rec['prompt'])} (gold {rec['ground_truth']}, reward "
                       f"{rec['reward']:.0f}): `{rec['response'].strip()}`" for rec in records[:count]]
-    (out / "samples.md").write_text("\n".join(lines) + "\n")
+    write_own(out / "samples.md", "\n".join(lines) + "\n")
 
 
 def one_line(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ import os
 import statistics
 from pathlib import Path
 
-from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, one_line, positive, run_all
+from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, one_line, positive, run_all, write_own
 
 from alignment.run import read_jsonl
 
@@ -158,7 +158,7 @@ def write_table(args, out: Path, seconds: dict):
     lines += ["", "In-run evaluation (train_rl, every 5 steps, the seed's own held-out split): " + "; ".join(
         f"{arm} seed {seed}: " + ", ".join(f"{step}: {rate:.2f}" for step, rate in rl_stats(out / f"rl-{arm}-seed{seed}")["curve"])
         for seed in args.seeds for arm in args.arms)]
-    (out / "tir_demo.md").write_text("\n".join(lines) + "\n")
+    write_own(out / "tir_demo.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -178,7 +178,7 @@ def write_samples(args, out: Path, count: int = 3):
                 lines.append(f"### seed {seed}, {arm}, after {stage.upper()}")
                 lines += [f"- {question(rec['prompt'])} (gold {rec['ground_truth']}, answer reward "
                           f"{rec['answer_reward']:.0f}): `{shorten(rec['response'])}`" for rec in records[:count]]
-    (out / "samples.md").write_text("\n".join(lines) + "\n")
+    write_own(out / "samples.md", "\n".join(lines) + "\n")
 
 
 def parse_args(argv: list[str] | None = None):

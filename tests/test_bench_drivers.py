@@ -448,3 +448,20 @@ def test_a_run_saved_before_a_flag_existed_is_still_the_stages_own(tmp_path):
     assert not asks_another.holds_its_own()  # not at its default: the run did not have it
     (folder / "config.json").write_text(json.dumps({**saved, "lr": 2e-4}))
     assert not stage.holds_its_own()
+
+
+def test_a_drivers_report_never_replaces_a_users_file(tmp_path):
+    """steps_demo, tir_demo and delethink_demo wrote their table and samples.md over a user's file of that name in
+    --out (gsm8k_card's card was guarded, theirs not: a probe round, 2026-12-02)."""
+    import inspect
+    (tmp_path / "samples.md").write_text("MY OWN NOTES - do not lose\n")
+    with pytest.raises(SystemExit, match="is not the file this driver last wrote"):
+        steps_demo.write_own(tmp_path / "samples.md", "### seed 0\n")
+    assert (tmp_path / "samples.md").read_text() == "MY OWN NOTES - do not lose\n"
+    (tmp_path / "samples.md").unlink()
+    steps_demo.write_own(tmp_path / "samples.md", "### seed 0\n")
+    steps_demo.write_own(tmp_path / "samples.md", "### seed 0, again\n")  # its own: replaced
+    assert (tmp_path / "samples.md").read_text() == "### seed 0, again\n"
+    for driver in (steps_demo, tir_demo, delethink_demo):  # every report goes through it
+        source = inspect.getsource(driver)
+        assert ".md\").write_text(" not in source and source.count("write_own(out / ") == 2, driver.__name__

@@ -90,6 +90,9 @@ def test_grade(given, truth, expected):
     ("2^{40}+1", "1099511627776", False), ("2^{40}", "1099511627776", True),  # right under an absolute 1e-9)
     ("0", "0.0000000001", False), ("0", "1e-20", False), ("1e-20", "1e-20", True),  # relative, not absolute
     ("0.3333333333333", "\\frac{1}{3}", True), ("\\sqrt{2}", "1.41421356237", True), ("1.5", "\\frac{3}{2}", True),
+    ("1234567890.5", "1234567890", False), ("1234567890.0", "1234567890", True),  # an integer gold only by itself
+    ("12345678905", "1.2345678901e10", False), ("12345678901", "1.2345678901e10", True),  # (a probe round, 2026-12-02:
+    ("100000000000000000001", "1e+20", False), ("100000000000000000000", "1e+20", True),  # the first, third, fifth right)
 ])
 def test_integers_compare_exactly_and_other_numbers_within_a_relative_1e_9(given, truth, expected):
     assert grade(given, truth) is expected

@@ -3,10 +3,12 @@ your own, a reward of your own run in a bounded-time worker (hangs, raises and n
 
 import hashlib
 import json
+import math
 import re
 import textwrap
 
 import pytest
+import torch
 
 from alignment import data, evaluate
 from alignment.args import EvalArgs, RLArgs, parse
@@ -40,6 +42,11 @@ REWARDS = textwrap.dedent('''
 
     def nonsense(response, ground_truth, **columns):
         return {"score": "yes"}
+
+    def parts_or_raises(response, ground_truth, **columns):
+        if int(ground_truth) % 2:
+            raise ValueError("cannot parse the answer")
+        return {"reward": 1.0, "format_reward": 1.0, "answer_reward": 1.0}
 ''')
 
 
@@ -228,6 +235,13 @@ def test_evaluate_on_ones_own_file_prompt_and_reward(own, tiny_model_dir, tmp_pa
     odd = sum(int(r["answer"]) % 2 for r in data.load_dataset(str(own / "rows.jsonl"), "test", question_key="problem",
                                                                 answer_key="gold"))
     assert summary["reward_failures"] == odd > 0
+    summary = evaluate.main(EvalArgs(model=tiny_model_dir, dataset=str(own / "rows.jsonl"), question_key="problem",
+                                     answer_key="gold", max_tokens=2, reward_fn=f"{own / 'rewards.py'}:parts_or_raises",
+                                     output_dir=str(tmp_path / "parts")))
+    n = summary["count"]  # a failed call scores its sample 0, format and answer too: they were left out (1.0, a probe)
+    assert summary["reward_failures"] == odd and summary["avg_answer_rewards"] == summary["avg_format_rewards"] == \
+        pytest.approx((n - odd) / n)
+    assert 0 < odd < n
     (own / "fails.py").write_text("def always_fails(response, ground_truth, **columns):\n    return None\n")
     with pytest.raises(UserError, match="failed on every answer .*, first: TypeError: the return value is null"):
         evaluate.main(EvalArgs(model=tiny_model_dir, dataset=str(own / "rows.jsonl"), question_key="problem",
@@ -565,7 +579,8 @@ def test_a_datasets_folder_is_hashed_by_its_files(tmp_path):
     (folder / "dataset_dict.json").write_text('{"splits": ["train"]}')
     args = SimpleNamespace(accept_changed_data=False, prompt_file=None, dataset=str(folder), eval_dataset="gsm8k")
     before = _data_hash(args)
-    assert list(before) == ["dataset_sha256"] and _data_hash(args) == before  # a built-in set has no file
+    assert sorted(before) == ["dataset_sha256", "eval_dataset_sha256"] and _data_hash(args) == before  # (gsm8k: its
+    # files in the data folder, since a probe round of 2026-12-02)
     (folder / "train" / "data-00000-of-00001.arrow").write_bytes(b"other rows")
     assert _data_hash(args) != before
 
@@ -581,3 +596,96 @@ def test_accepting_a_changed_file_is_moot_without_a_resume(tmp_path, capsys):
         with pytest.raises(SystemExit):
             parse(cls, ["--dataset", str(rows), flag, *(["--reward_fn", "m.py:f"] if "reward" in flag else [])])
         assert "without --resume" in capsys.readouterr().err
+
+
+def test_a_failed_call_counts_zero_in_the_parts_other_calls_return_and_an_absent_part_stays_absent():
+    from alignment.grpo import reward_metrics
+    from alignment.user_reward import zero_failed_parts
+    nan = float("nan")
+    ok = {"reward": 1.0, "format_reward": 1.0, "answer_reward": nan, "reward_failed": 0.0}
+    failed = {"reward": 0.0, "format_reward": nan, "answer_reward": nan, "reward_failed": 1.0}
+    scores = zero_failed_parts([ok, failed])
+    assert scores[1]["format_reward"] == 0.0 and scores[1]["answer_reward"] != scores[1]["answer_reward"]  # NaN
+    metrics = reward_metrics(torch.tensor([1.0, 0.0]), [ok, failed], 2)
+    assert metrics["format_reward_mean"] == 0.5 and math.isnan(metrics["answer_reward_mean"])
+
+
+def test_the_reward_worker_and_its_call_end_when_the_run_is_gone(own):
+    """A second Ctrl-C or SIGTERM ended the run at once, but the worker and its call lived on (parent 1) until the
+    call's --reward_timeout, up to a day (a probe round, 2026-12-02): its stdin closing ends both."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from alignment import user_reward
+    env = dict(os.environ, ALIGNMENT_REWARD_TIMEOUT="60")
+    worker = subprocess.Popen([sys.executable, user_reward.__file__, f"{own / 'rewards.py'}:hangs"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    assert json.loads(worker.stdout.readline()) == {"ready": True}
+    worker.stdin.write(json.dumps({"response": "1", "ground_truth": "1", "columns": {}}).encode() + b"\n")
+    worker.stdin.flush()
+    time.sleep(1.0)  # the call is running (it sleeps 60 s)
+    start = time.monotonic()
+    worker.stdin.close()
+    assert worker.wait(timeout=20) == 0 and time.monotonic() - start < 10
+    left = subprocess.run(["pgrep", "-f", f"{own / 'rewards.py'}:hangs"], capture_output=True, text=True).stdout
+    assert not left.strip()
+
+
+def test_a_datasets_folder_s_whole_test_split_is_left_out_of_training(tmp_path):
+    """Only the first --eval_limit of a folder's own test split were compared; `evaluate --dataset FOLDER` scores all
+    of it (a probe round, 2026-12-02)."""
+    import datasets
+    from alignment.train_rl import load_questions
+    rows = [{"question": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(40) for b in range(2)]
+    test, train = rows[:6], rows[6:30] + [{**rows[4], "question": rows[4]["question"].upper()}, rows[5]]
+    folder = tmp_path / "folder"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
+                          "test": datasets.Dataset.from_list(test)}).save_to_disk(str(folder))
+    kept, evaluated, _ = load_questions(RLArgs(dataset=str(folder), eval_limit=2, rollout_batch_size=2, group_size=2),
+                                        lambda line: None)
+    assert len(evaluated) == 2 and len(kept) == 24
+    assert not {data.twin(r["question"]) for r in kept} & {data.twin(r["question"]) for r in test}
+
+
+RG = "rg:basic_arithmetic:min_terms=2,max_terms=2,max_digits=2,operators=+,allow_negation=false,allow_parentheses=false"
+
+
+def test_an_rg_task_s_whole_test_split_is_left_out_of_rl_and_sft_whatever_the_eval_limit():
+    """Only the first --eval_limit rg test questions were left out (none in SFT with --eval_limit 0), while `evaluate`
+    makes 2,000 and scores as many as --limit asks (a probe round, 2026-12-02: 145 of --limit 500 trained on)."""
+    from alignment import sft
+    from alignment.args import SFTArgs
+    from alignment.train_rl import load_questions
+    test = data.test_twins(RG)
+    assert len(data.load_dataset(RG, "test")) == data.EVALUATE_RG_SIZE
+    for limit in (4, 0):
+        kept, _, _ = load_questions(RLArgs(dataset=RG, eval_limit=limit, eval_every=0, rg_size=400,
+                                           rollout_batch_size=2, group_size=2), lambda line: None)
+        assert kept and not {data.twin(r["question"]) for r in kept} & test, limit
+        args = SFTArgs(dataset=RG, eval_limit=limit, rg_size=400)
+        examples = sft.load_sft_examples(args, None, sft.load_eval_rows(args))
+        questions = {data.twin(r["question"]) for r in data.load_dataset(RG, "train", size=400, seed=args.seed)}
+        assert questions & test and 0 < len(examples) < 400
+        assert not any(t in data.twin(e["prompt"]) for e in examples for t in test & questions), limit
+
+
+def test_a_header_that_names_a_column_twice_and_an_upper_case_suffix(tmp_path):
+    (tmp_path / "dup.csv").write_text("question,answer,answer\nWhat is 1?,1,2\n")
+    with pytest.raises(UserError, match="the header names 'answer' more than once"):
+        data.load_file(str(tmp_path / "dup.csv"), "all")
+    (tmp_path / "Q.JSONL").write_text(json.dumps({"question": "What is 1?", "answer": "1"}) + "\n")
+    assert data.is_file(str(tmp_path / "Q.JSONL")) and data.load_file(str(tmp_path / "Q.JSONL"), "all")[0]["answer"] == "1"
+
+
+def test_a_built_in_sets_files_are_hashed_so_a_resume_on_another_data_folder_is_refused(tmp_path):
+    """A resume with another ALIGNMENT_DATA_DIR trained on other GSM8K rows without a word (7,473 became 200)."""
+    from alignment.run import _data_hash
+    other = tmp_path / "data"
+    (other / "gsm8k").mkdir(parents=True)
+    for split in ("train", "test"):
+        lines = (data.resolve_data_dir() / "gsm8k" / f"{split}.jsonl").read_text().splitlines(keepends=True)
+        (other / "gsm8k" / f"{split}.jsonl").write_text("".join(lines[:200]))
+    here, there = _data_hash(RLArgs(dataset="gsm8k")), _data_hash(RLArgs(dataset="gsm8k", data_dir=str(other)))
+    assert len(here["dataset_sha256"]) == 64 and here["dataset_sha256"] != there["dataset_sha256"]
+    assert "accept_changed_data" not in RLArgs(dataset="gsm8k", resume="x").own_data_moot()

@@ -3,6 +3,7 @@
 import inspect
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -362,16 +363,23 @@ def test_sampling_min_tokens_reaches_the_rollout_sampler(tiny_model_dir, tmp_pat
 
 
 def test_evaluation_questions_are_left_out_of_training(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    # sums of two one-digit numbers: about a hundred distinct questions, so the two splits share many
-    args = tiny_args(tiny_model_dir, tmp_path / "run", dataset=DEFAULT_RL_TASK.replace("max_digits=2", "max_digits=1"),
-                     eval_limit=50, rg_size=500)
+    # sums of three one-digit numbers: about a thousand distinct questions, so the two splits share many (of two
+    # one-digit numbers, a hundred: evaluate's 2,000 test rows hold all of them, and nothing is left to train on)
+    task = DEFAULT_RL_TASK.replace("max_digits=2", "max_digits=1").replace("min_terms=2,max_terms=2", "min_terms=3,max_terms=3")
+    args = tiny_args(tiny_model_dir, tmp_path / "run", dataset=task, eval_limit=50, rg_size=500)
     train, held_out, _ = train_rl.load_questions(args)
-    asked = {row["question"] for row in held_out}
+    asked = {row["question"] for row in held_out} | train_rl.data.test_twins(task)  # (rg questions: no case or spacing)
     assert len(held_out) == 50 and 0 < len(train) < 500 and not asked & {row["question"] for row in train}
     out = capsys.readouterr().out  # with --eval_every 0 (tiny_args), the line says why they are still held out
-    assert f"{500 - len(train)} of 500 training questions are among the 50 evaluation questions" in out
+    first = int(re.search(r"(\d+) of 500 training questions are among the 50 evaluation questions", out).group(1))
+    more = int(re.search(r"(\d+) more training questions are copies .* of questions in the test split of rg:", out).group(1))
+    assert first > 0 and more > 0 and first + more == 500 - len(train)
     assert "--eval_limit 50); they are left out of training (no evaluation in this run, --eval_every 0" in out
+    with pytest.raises(UserError, match="every training question of .* is also an evaluation question"):
+        train_rl.load_questions(tiny_args(tiny_model_dir, tmp_path / "two", rg_size=500, eval_limit=50,
+                                          dataset=DEFAULT_RL_TASK.replace("max_digits=2", "max_digits=1")))
     # a step never draws one question twice (the endless stream would, counting it as two)
+    monkeypatch.setattr(train_rl.data, "test_twins", lambda *a, **k: set())  # (that one row may be a test question)
     with pytest.raises(UserError, match=r"--rollout_batch_size 8 / --group_size 4 draws 2 questions a step, but .* "
                                         r"has 1 to train on \(after the held-out ones\): lower it, or raise --rg_size"):
         train_rl.load_questions(tiny_args(tiny_model_dir, tmp_path / "one", rg_size=1, eval_limit=1,
