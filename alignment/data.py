@@ -348,7 +348,7 @@ def _read_table(path: Path, split: str, flag: str = "--dataset") -> tuple[list[d
 
 def _csv_rows(reader, path: Path) -> list[dict]:
     """The CSV's rows; one with more fields than the header is refused (DictReader keeps the extra under None)."""
-    twice = sorted({name for name in reader.fieldnames or () if (reader.fieldnames or []).count(name) > 1})
+    twice = sorted({name for name in reader.fieldnames or () if name and (reader.fieldnames or []).count(name) > 1})
     if twice:  # DictReader would keep the last column of the name, silently
         raise UserError(f"{path}: the header names {', '.join(map(repr, twice))} more than once; give each column its "
                         f"own name.")

@@ -201,14 +201,13 @@ def _to_sympy(text):
     return expr
 
 
-def _integral(x):
-    """A float that writes an integer (`1.2345678901e10`, `1e+20`, `24.0`) as that integer, compared exactly."""
+def _exact(x):
+    """`x` with each float in it as the decimal it writes, exactly (`4.56 \\times 10^{7}` is 45600000, `0.07 \\times
+    100` is 7, `1.2345678901e10` is 12345678901), for comparing against an integer gold: sympy's binary floats would
+    leave them a rounding away (and Float == Integer is False in sympy)."""
     import sympy
 
-    if not (x.is_Float and x.is_finite):
-        return x
-    exact = sympy.Rational(str(x))  # the decimal it writes, exactly (not its binary value; Float == int is False)
-    return exact if exact.q == 1 else x
+    return x.xreplace({f: sympy.Rational(str(f)) for f in x.atoms(sympy.Float) if f.is_finite})
 
 
 def _sympy_equal(given, truth):
@@ -220,10 +219,11 @@ def _sympy_equal(given, truth):
         g, t = (_to_sympy(a) - _to_sympy(b) for a, b in (given.split("="), truth.split("=")))
         return sympy.simplify(g - t) == 0 or sympy.simplify(g + t) == 0
     g, t = _to_sympy(given), _to_sympy(truth)
-    if g.is_number and t.is_number:  # exact numbers exactly (a 10-digit product one off is wrong); with a float
-        g, t = _integral(g), _integral(t)  # or an irrational in it, within a relative 1e-9 (`0.3333333333333`, 1/3);
-        difference = sympy.simplify(g - t)  # an integer gold (`1.2345678901e10` too) only by the same integer
-        if difference == 0 or difference.is_Rational or t.is_Integer:
+    if g.is_number and t.is_number:  # an integer gold (`1.2345678901e10` too) only by the same integer (a 10-digit
+        if _exact(t).is_Integer:  # product one off, or half off, is wrong), the answer's decimals taken as written
+            return sympy.simplify(_exact(g) - _exact(t)) == 0
+        difference = sympy.simplify(g - t)  # exact numbers exactly; with a float or an irrational in it, within a
+        if difference == 0 or difference.is_Rational:  # relative 1e-9 (`0.3333333333333` against 1/3)
             return difference == 0
         diff = abs(complex(sympy.N(difference, 30)))
         scale = max(abs(complex(sympy.N(g, 30))), abs(complex(sympy.N(t, 30))))

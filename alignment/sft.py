@@ -95,6 +95,13 @@ def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = (),
         rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
         prompts = [(data.format_prompt(template, row["question"]), row) for row in rows
                    if data.twin(row["question"]) not in held_out]
+        if len(prompts) < len(rows):
+            log(f"[sft] {len(rows) - len(prompts)} of {len(rows)} questions left out: copies of test questions "
+                f"(the {len(held_out)} distinct ones `alignment.evaluate` can score)")
+        if not prompts:
+            raise UserError(f"every one of the {len(rows)} training questions of {args.dataset} is among its test "
+                            f"questions (evaluate makes {data.EVALUATE_RG_SIZE}): choose a task with more distinct "
+                            f"problems (more terms or digits).")
         examples = [{"prompt": prompt, "response": worked_solution(row, args.worked_style)}
                     for prompt, row in prompts if fits(prompt)]  # a question too long: no solution is built
         dropped = len(prompts) - len(examples)

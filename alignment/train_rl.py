@@ -176,8 +176,8 @@ def main(args: RLArgs) -> dict:
         for step in bar:
             # 1-3. Sample and score this step's batch, build its experience, update on it.
             batch, train, times, bad_steps = _one_step(args, run, m, source, push, step, bad_steps, save, settle)
-            if step == run.start_step:
-                _refuse_a_broken_reward(args, score, batch)
+            if step == 0 or (step == run.start_step and args.accept_changed_reward):  # the run's first step, or a
+                _refuse_a_broken_reward(args, score, batch)  # resume's first with a reward changed since (as a start)
             generated_tokens += int(batch.metrics["sampled_tokens"])
 
             # 4. Log, write a few full rollouts, evaluate, checkpoint.
@@ -259,7 +259,8 @@ def _evaluate(args: RLArgs, run: Run, m: Models, source, push, eval_rows, eval_n
 
 
 def _refuse_a_broken_reward(args: RLArgs, score, batch):
-    """A --reward_fn that failed on every sample of the run's first step is a bug, not an odd sample: one line."""
+    """A --reward_fn that failed on every sample of the run's first step (or of a resume's first, after the reward
+    changed) is a bug, not an odd sample: one line. Later, as in a run never stopped, failures are counted."""
     reward = getattr(score, "user_reward", None)
     if reward is not None and batch.metrics["reward_failures"] >= batch.metrics["questions_sampled"] * args.group_size:
         raise UserError(f"--reward_fn {args.reward_fn} failed on every sample of the first step, e.g. "

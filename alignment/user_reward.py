@@ -96,7 +96,7 @@ class UserReward:
     optional parts NaN when the function does not return them), and `errors`: each failure's line, in order."""
 
     def __init__(self, spec: str, timeout: float):
-        self.spec, self.timeout, self.errors = spec, timeout, []
+        self.spec, self.timeout, self.errors, self.returned = spec, timeout, [], set()  # the parts a call returned
         split_spec(spec)
         check_timeout(timeout)
         self.sha256 = source_hash(spec)
@@ -126,13 +126,16 @@ class UserReward:
             reply = None
         if reply is None:  # the worker itself is gone or stuck (it never should be): a failure, and a new worker
             self.close()
-            errors = self.errors  # the failures so far are still the run's
+            errors, returned = self.errors, self.returned  # the failures so far are still the run's
             self.__init__(self.spec, self.timeout)
-            self.errors = errors
+            self.errors, self.returned = errors, returned
             reply = {"error": "the reward worker stopped answering"}
         if "error" in reply:
             self.errors.append(reply["error"])
-            return {"reward": 0.0, **{key: math.nan for key in KEYS}, "reward_failed": 1.0}
+            # 0 in the parts an earlier call returned (a step whose calls all fail reads 0, not absent); the batch's
+            # other calls settle the rest (zero_failed_parts)
+            return {"reward": 0.0, **{key: 0.0 if key in self.returned else math.nan for key in KEYS}, "reward_failed": 1.0}
+        self.returned.update(key for key in KEYS if key in reply)
         return {"reward": reply["reward"], **{key: reply.get(key, math.nan) for key in KEYS}, "reward_failed": 0.0}
 
     def _reply(self, deadline: float) -> dict | None:
@@ -195,6 +198,7 @@ def _checked(value) -> dict:
 
 
 def _serve(spec: str):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle: it closes our stdin, which ends us
     replies = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's own copy of stdout
     os.dup2(2, 1)  # what the user's code prints goes to stderr, never into the replies
     try:

@@ -10,7 +10,7 @@ Every run is `python -m alignment.train_rl` from checkpoints/math_sft on --datas
 default task) with the defaults, changed only by its variant's flags; the answer rate on the task's test
 split (whose questions are left out of training) is greedy, measured every few steps. The start model's
 score is the same greedy evaluation for every run with the same prompt and seed (a reasoning-gym task's
-test split is generated from --seed), so the first such run measures it and the others start with
+test split is the same for every seed; each seed's first run measures it anyway), and the others start with
 --no_eval_before_train and share it. `--jobs 2` (the default) runs two at a
 time with one thread each: the s/step column is then a loaded core's, comparable between rows only. A run
 that is already complete is not repeated, one that was interrupted continues with --resume, so an
@@ -19,6 +19,7 @@ seeds, seconds per step) and <out>/ablations.png.
 """
 
 import argparse
+import io
 import json
 import os
 import shutil
@@ -28,6 +29,8 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from steps_demo import write_own
 
 from alignment import models
 from alignment.args import DEFAULT_RL_TASK
@@ -131,7 +134,7 @@ def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int
     for r in rows:
         lines.append(f"| {r['name']} | {r['first']:.3f} | {r['final']:.3f} | {r['low']:.2f}-{r['high']:.2f} | "
                      f"{r['reward']:.3f} | {r['tokens']:.0f} | {r['seconds']:.1f} |")
-    (out / "ablations.md").write_text("\n".join(lines) + "\n")
+    write_own(out / "ablations.md", "\n".join(lines) + "\n")  # never over a file of the user's
     print("\n".join(lines))
     import matplotlib
     matplotlib.use("Agg")
@@ -157,7 +160,9 @@ def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int
         ax.legend(fontsize=7, ncol=2)
     ax.set_title(f"ablations: {budget_text}")
     fig.tight_layout()
-    fig.savefig(out / "ablations.png", dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    write_own(out / "ablations.png", png.getvalue())
     print(f"[ablations] wrote {out / 'ablations.md'} and {out / 'ablations.png'}")
 
 
@@ -186,7 +191,7 @@ def main():
     if args.jobs < 1:
         parser.error("--jobs must be 1 or more")
     threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
-    # one run per prompt and seed measures the start model (each seed has its own test split); the others share it
+    # one run per prompt and seed measures the start model; the others share it
     measures = {(prompt_of(VARIANTS[name]), seed): (name, seed) for name in reversed(names) for seed in args.seeds}
     jobs = [(name, seed) for name in names for seed in args.seeds]
     stop = threading.Event()  # set by Ctrl-C or a failed run: no further run starts

@@ -138,7 +138,7 @@ def read_record(path: Path, valid) -> dict:
     return value
 
 
-def write_own(path: Path, text: str, record: str = "written.json"):
+def write_own(path: Path, text: str | bytes, record: str = "written.json"):
     """Write a report of the driver's (its table, samples.md, a card), unless the file there is not the one it last
     wrote (its sha256 is in `record` beside it): a reader's edits or a file of the user's are never replaced; one
     line says so, and the stages' results stay for the next run."""
@@ -146,8 +146,9 @@ def write_own(path: Path, text: str, record: str = "written.json"):
     if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() != known.get(path.name):
         sys.exit(f"{NAME} error: {path} is not the file this driver last wrote (edited, or a file of yours): move it "
                  f"away and run again (the stages' results are kept).")
-    path.write_text(text)
-    write_record(path.with_name(record), {**known, path.name: hashlib.sha256(text.encode()).hexdigest()})
+    content = text.encode() if isinstance(text, str) else text  # (a plot's PNG: bytes)
+    path.write_bytes(content)
+    write_record(path.with_name(record), {**known, path.name: hashlib.sha256(content).hexdigest()})
 
 
 def write_record(path: Path, value: dict):

@@ -93,6 +93,8 @@ def test_grade(given, truth, expected):
     ("1234567890.5", "1234567890", False), ("1234567890.0", "1234567890", True),  # an integer gold only by itself
     ("12345678905", "1.2345678901e10", False), ("12345678901", "1.2345678901e10", True),  # (a probe round, 2026-12-02:
     ("100000000000000000001", "1e+20", False), ("100000000000000000000", "1e+20", True),  # the first, third, fifth right)
+    ("4.56 \\times 10^{7}", "45600000", True), ("0.07 \\times 100", "7", True),  # decimals as written, not binary
+    ("1.2345678901 \\times 10^{10}", "12345678901", True), ("4.5600001 \\times 10^{7}", "45600000", False),
 ])
 def test_integers_compare_exactly_and_other_numbers_within_a_relative_1e_9(given, truth, expected):
     assert grade(given, truth) is expected

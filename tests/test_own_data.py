@@ -608,6 +608,39 @@ def test_a_failed_call_counts_zero_in_the_parts_other_calls_return_and_an_absent
     assert scores[1]["format_reward"] == 0.0 and scores[1]["answer_reward"] != scores[1]["answer_reward"]  # NaN
     metrics = reward_metrics(torch.tensor([1.0, 0.0]), [ok, failed], 2)
     assert metrics["format_reward_mean"] == 0.5 and math.isnan(metrics["answer_reward_mean"])
+    reward = UserReward.__new__(UserReward)  # a step whose calls all fail reads 0 in the parts earlier calls returned
+    reward.returned = {"format_reward"}
+    assert reward.returned and "format_reward" in reward.returned
+
+
+def test_a_step_whose_calls_all_fail_reads_zero_not_absent_and_a_resume_counts_them_as_a_run_never_stopped(
+        own, tiny_model_dir, tmp_path, monkeypatch):
+    """Both found by a probe round (2026-12-02): such a step's format/answer were null (plots and means skipped the
+    worst steps), and the first step after a resume stopped the run where the same run unstopped counted them."""
+    from alignment import train_rl
+    from tests.test_train_rl import read_jsonl, tiny_args
+    (own / "switch.py").write_text(textwrap.dedent('''
+        import os
+
+        def switch(response, ground_truth, **columns):
+            with open(os.environ["CALLS_FILE"], "a+") as calls:  # each call in its own process: count on disk
+                calls.write("x")
+                calls.seek(0)
+                if len(calls.read()) > int(os.environ["CALLS_BEFORE_FAILING"]):
+                    raise ValueError("the grader's service is down")
+            return {"reward": 1.0, "format_reward": 1.0, "answer_reward": 0.0}
+    '''))
+    monkeypatch.setenv("CALLS_FILE", str(tmp_path / "calls"))
+    monkeypatch.setenv("CALLS_BEFORE_FAILING", "8")  # step 1's 8 samples, then every call fails
+    flags = dict(dataset=str(own / "rows.jsonl"), question_key="problem", answer_key="gold",
+                 reward_fn=f"{own / 'switch.py'}:switch")
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=2, **flags))
+    steps = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
+    assert [m["format_reward"] for m in steps] == [1.0, 0.0] and steps[1]["reward_failures"] == 8
+    train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", resume=str(tmp_path / "run"), n_steps=3, **flags))
+    steps = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
+    assert len(steps) == 3 and steps[2]["reward_failures"] == 8  # counted, as without the stop (its parts: a new
+    # process has seen no call return them, so they read absent there)
 
 
 def test_the_reward_worker_and_its_call_end_when_the_run_is_gone(own):
@@ -670,10 +703,21 @@ def test_an_rg_task_s_whole_test_split_is_left_out_of_rl_and_sft_whatever_the_ev
         assert not any(t in data.twin(e["prompt"]) for e in examples for t in test & questions), limit
 
 
+def test_sft_on_a_task_whose_every_question_is_a_test_question_says_so():
+    """It said "no training example fits the model's context" (a probe round, 2026-12-02)."""
+    from alignment import sft
+    from alignment.args import SFTArgs
+    args = SFTArgs(dataset=RG.replace("max_digits=2", "max_digits=1"), eval_limit=0, rg_size=50)
+    with pytest.raises(UserError, match="every one of the 50 training questions of .* is among its test questions"):
+        sft.load_sft_examples(args, None, [], log=lambda line: None)
+
+
 def test_a_header_that_names_a_column_twice_and_an_upper_case_suffix(tmp_path):
     (tmp_path / "dup.csv").write_text("question,answer,answer\nWhat is 1?,1,2\n")
     with pytest.raises(UserError, match="the header names 'answer' more than once"):
         data.load_file(str(tmp_path / "dup.csv"), "all")
+    (tmp_path / "trailing.csv").write_text("question,answer,,\nWhat is 1?,1,,\n")  # empty names are no names
+    assert data.load_file(str(tmp_path / "trailing.csv"), "all")[0]["answer"] == "1"
     (tmp_path / "Q.JSONL").write_text(json.dumps({"question": "What is 1?", "answer": "1"}) + "\n")
     assert data.is_file(str(tmp_path / "Q.JSONL")) and data.load_file(str(tmp_path / "Q.JSONL"), "all")[0]["answer"] == "1"
 
