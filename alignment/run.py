@@ -260,13 +260,13 @@ class Run:
             raise UserError(f"--reward_fn {self.args.reward_fn}: its file changed since the run's checkpoint (sha256 "
                             f"{str(then)[:12]} then, {str(now)[:12]} now): restore it, or pass --accept_changed_reward "
                             f"to go on with the new one.")
+        moved = [key for key, now in self.data_hashes.items() if key in saved and saved[key] != now]  # (a run saved
+        # before the hashes were kept: nothing to compare)
         edited = [f"--{key.removesuffix('_sha256')} {getattr(self.args, key.removesuffix('_sha256'))} (sha256 "
-                  f"{saved[key][:12]} then, {now[:12]} now)" for key, now in self.data_hashes.items()
-                  if key in saved and saved[key] != now]  # a run saved before the hashes were kept: nothing to compare
+                  f"{saved[key][:12]} then, {self.data_hashes[key][:12]} now)" for key in moved]
         if edited and not getattr(self.args, "accept_changed_data", False):
             from alignment.data import BUILTIN_FILES
-            builtin = any(getattr(self.args, key.removesuffix("_sha256"), None) in BUILTIN_FILES
-                          for key, now in self.data_hashes.items() if key in saved and saved[key] != now)
+            builtin = any(getattr(self.args, key.removesuffix("_sha256"), None) in BUILTIN_FILES for key in moved)
             where = " (a built-in set: its files under --data_dir / ALIGNMENT_DATA_DIR)" if builtin else ""
             raise UserError(f"{', '.join(edited)}: the file changed since the run's checkpoint{where}: restore it, or "
                             f"pass --accept_changed_data to go on with the new one.")
