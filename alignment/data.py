@@ -390,6 +390,20 @@ def test_twins(name: str, data_dir: str | None = None, question_key: str = "ques
                                                         question_key=question_key, answer_key=answer_key, flag=flag)}
 
 
+def log_trained_test_questions(dataset: str, held_out: str, questions: list[str], log, script: str,
+                               data_dir: str | None = None, **keys) -> None:
+    """A run that holds out another set (--eval_dataset) trains on --dataset's own test questions, if it draws any:
+    the held-out set is the one evaluated, and a small procedural task's test split can be every problem it has. One
+    line counts them, since `alignment.evaluate --dataset DATASET` after the run would score questions it trained on."""
+    if held_out == dataset:
+        return
+    own = test_twins(dataset, data_dir, **keys)
+    if shared := sum(twin(question) in own for question in questions):
+        log(f"[{script}] {shared} of the {len(questions)} training questions are in the test split of {dataset}: kept "
+            f"(this run holds out {held_out}); `alignment.evaluate --dataset {dataset}` after it would score questions "
+            f"it trained on.")
+
+
 def load_dataset(name: str, split: str = "test", data_dir: str | None = None, size: int = EVALUATE_RG_SIZE,
                  seed: int = 0, question_key: str = "question", answer_key: str = "answer",
                  flag: str = "--dataset") -> list[dict]:

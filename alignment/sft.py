@@ -95,13 +95,16 @@ def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = (),
         rows = data.load_dataset(args.dataset, "train", args.data_dir, size=args.rg_size, seed=args.seed)
         prompts = [(data.format_prompt(template, row["question"]), row) for row in rows
                    if data.twin(row["question"]) not in held_out]
+        held_name = args.eval_dataset or args.dataset
         if len(prompts) < len(rows):
-            log(f"[sft] {len(rows) - len(prompts)} of {len(rows)} questions left out: copies of test questions "
-                f"(the {len(held_out)} distinct ones `alignment.evaluate` can score)")
+            log(f"[sft] {len(rows) - len(prompts)} of {len(rows)} questions left out: copies of test questions of "
+                f"{held_name} (the {len(held_out)} distinct ones `alignment.evaluate` can score)")
         if not prompts:
-            raise UserError(f"every one of the {len(rows)} training questions of {args.dataset} is among its test "
-                            f"questions (evaluate makes {data.EVALUATE_RG_SIZE}): choose a task with more distinct "
-                            f"problems (more terms or digits).")
+            raise UserError(f"every one of the {len(rows)} training questions of {args.dataset} is among the test "
+                            f"questions of {held_name} (evaluate makes {data.EVALUATE_RG_SIZE}): choose a task with "
+                            f"more distinct problems (more terms or digits) or another --eval_dataset.")
+        data.log_trained_test_questions(args.dataset, held_name, [row["question"] for _, row in prompts], log, "sft",
+                                        args.data_dir)
         examples = [{"prompt": prompt, "response": worked_solution(row, args.worked_style)}
                     for prompt, row in prompts if fits(prompt)]  # a question too long: no solution is built
         dropped = len(prompts) - len(examples)
@@ -189,12 +192,12 @@ def eval_tool_calls(args: SFTArgs) -> int:
 
 def held_out_twins(args: SFTArgs, eval_rows: list[dict]) -> set[str]:
     """What SFT never trains on, compared as train_rl compares it: the evaluation rows and every question of the test
-    split of --dataset (and of --eval_dataset) that `alignment.evaluate` can score, also with --eval_limit 0."""
-    names = {args.dataset} | ({args.eval_dataset} if args.eval_dataset else set())
+    split of the evaluation set (--eval_dataset, else --dataset) that `alignment.evaluate` can score, also with
+    --eval_limit 0."""
     keys = dict(question_key=args.question_key, answer_key=args.answer_key)
-    return {data.twin(row["question"]) for row in eval_rows}.union(
-        *(data.test_twins(name, args.data_dir, flag="--eval_dataset" if name != args.dataset else "--dataset", **keys)
-          for name in names))
+    return {data.twin(row["question"]) for row in eval_rows} | data.test_twins(
+        args.eval_dataset or args.dataset, args.data_dir, flag="--eval_dataset" if args.eval_dataset else "--dataset",
+        **keys)
 
 
 def load_eval_rows(args: SFTArgs) -> list[dict]:

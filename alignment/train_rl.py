@@ -73,15 +73,16 @@ def load_questions(args: RLArgs, log=print, script: str = "train_rl") -> tuple[l
         log(f"[{script}] {len(train_rows) - len(kept)} of {len(train_rows)} training questions are among the "
             f"{len(eval_rows)} evaluation questions ({eval_name}, --eval_limit {args.eval_limit}); they are left out "
             f"of training{later}.")
-    # the whole test split too, beyond --eval_limit: `evaluate --dataset NAME` scores all of it (an rg: task's first
-    # 2,000, a file's hashed tenth, whose hash keeps case: "WHAT IS 3 + 7?" can fall in train while "What is 3 + 7?"
-    # is a test question; a `datasets` folder's own test split)
-    for name, flag in {eval_name: "--eval_dataset", args.dataset: "--dataset"}.items():
-        test = data.test_twins(name, args.data_dir, flag=flag, **keys)
-        before, kept = len(kept), [row for row in kept if data.twin(row["question"]) not in test]
-        if len(kept) < before:
-            log(f"[{script}] {before - len(kept)} more training questions are copies (in spacing or case) of questions "
-                f"in the test split of {name}, which `alignment.evaluate --dataset {name}` scores; left out too.")
+    # the evaluation set's whole test split too, beyond --eval_limit: `evaluate --dataset NAME` scores all of it (an
+    # rg: task's first 2,000, a file's hashed tenth, whose hash keeps case: "WHAT IS 3 + 7?" can fall in train while
+    # "What is 3 + 7?" is a test question; a `datasets` folder's own test split)
+    test = data.test_twins(eval_name, args.data_dir, flag="--eval_dataset" if args.eval_dataset else "--dataset", **keys)
+    before, kept = len(kept), [row for row in kept if data.twin(row["question"]) not in test]
+    if len(kept) < before:
+        log(f"[{script}] {before - len(kept)} more training questions are copies (in spacing or case) of questions "
+            f"in the test split of {eval_name}, which `alignment.evaluate --dataset {eval_name}` scores; left out too.")
+    data.log_trained_test_questions(args.dataset, eval_name, [row["question"] for row in kept], log, script,
+                                    args.data_dir, **keys)
     if not kept:
         raise UserError(f"every training question of {args.dataset} is also an evaluation question; choose a "
                         f"task with more distinct problems or a different --eval_dataset.")

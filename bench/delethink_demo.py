@@ -97,6 +97,13 @@ def sft_command(model: str, seed: int, run_dir: Path, examples: int, limit: int,
             "--delethink_carryover", str(budget // 5)]
 
 
+def rl_eval_flags(task: str) -> list[str]:
+    """RL evaluates on the held-out half of the (start, step) pairs at its length (repeated, until): its own task's
+    test split draws the training half, whose few hundred problems evaluate's 2,000 test rows hold every one of."""
+    _, rl_task, tests = TASKS[task]
+    return [] if tests[RL_TERMS] == rl_task else ["--eval_dataset", tests[RL_TERMS]]
+
+
 def rl_command(arm: str, seed: int, run_dir: Path, sft_dir: Path, steps: int, limit: int, backend: str,
                budget: int, task: str = "sums") -> list[str]:
     mode = ["--sampling_max_tokens", str(budget), "--eval_max_tokens", str(budget)] if arm == "longcot" else \
@@ -104,7 +111,7 @@ def rl_command(arm: str, seed: int, run_dir: Path, sft_dir: Path, steps: int, li
     return ["-m", "alignment.train_rl", "--model", str(sft_dir), "--dataset", TASKS[task][1], "--n_steps",
             str(steps), "--eval_every", "5", "--eval_limit", str(limit), "--save_every", "1", "--seed", str(seed),
             "--group_size_max", GROUP_SIZE_MAX, "--learning_rate", LEARNING_RATE, "--backend", backend,
-            "--output_dir", str(run_dir)] + mode + (["--async_steps", "1"] if backend == "vllm" else [])
+            "--output_dir", str(run_dir), *rl_eval_flags(task)] + mode + (["--async_steps", "1"] if backend == "vllm" else [])
 
 
 def evaluations(budget: int, task: str = "sums") -> dict[str, dict[str, list[str]]]:

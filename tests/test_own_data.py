@@ -708,8 +708,31 @@ def test_sft_on_a_task_whose_every_question_is_a_test_question_says_so():
     from alignment import sft
     from alignment.args import SFTArgs
     args = SFTArgs(dataset=RG.replace("max_digits=2", "max_digits=1"), eval_limit=0, rg_size=50)
-    with pytest.raises(UserError, match="every one of the 50 training questions of .* is among its test questions"):
+    with pytest.raises(UserError, match="every one of the 50 training questions of .* is among the test questions of"):
         sft.load_sft_examples(args, None, [], log=lambda line: None)
+
+
+def test_a_run_that_holds_out_another_set_keeps_its_own_test_questions_and_counts_them():
+    """With --eval_dataset the held-out set is the one evaluated: a small task whose test split holds every problem
+    (two one-digit numbers: 100) still trains (the Delethink demo's RL on repeated_addition, CI of 8f2210e), and one
+    line counts the training questions `evaluate --dataset` of the training task would score."""
+    from alignment import sft
+    from alignment.args import SFTArgs
+    from alignment.train_rl import load_questions
+    small, other = RG.replace("max_digits=2", "max_digits=1"), RG.replace("min_terms=2,max_terms=2", "min_terms=3,max_terms=3")
+    for script in ("train_rl", "sft"):
+        lines = []
+        if script == "train_rl":
+            kept, _, _ = load_questions(RLArgs(dataset=small, eval_dataset=other, eval_limit=10, rg_size=50,
+                                               rollout_batch_size=2, group_size=2), lines.append)
+        else:
+            args = SFTArgs(dataset=small, eval_dataset=other, eval_limit=10, rg_size=50)
+            kept = sft.load_sft_examples(args, None, sft.load_eval_rows(args), log=lines.append)
+        assert len(kept) == 50, script
+        assert any(f"[{script}] 50 of the 50 training questions are in the test split of {small}: kept (this run "
+                   f"holds out {other})" in line for line in lines), (script, lines)
+    with pytest.raises(UserError, match="every one of the 50 training questions of .* is among the test questions"):
+        sft.load_sft_examples(SFTArgs(dataset=small, eval_dataset=small, rg_size=50), None, [], log=lambda line: None)
 
 
 def test_a_header_that_names_a_column_twice_and_an_upper_case_suffix(tmp_path):

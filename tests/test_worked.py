@@ -111,15 +111,22 @@ def test_what_has_no_worked_solution_is_refused_in_one_line(question, answer, re
 
 
 def test_sft_on_a_task_trains_on_worked_solutions_and_never_on_an_evaluation_question(tokenizer):
-    task = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"  # few distinct problems: train and test overlap
+    # two numbers of up to two digits: ~10,000 problems, of which evaluate's 2,000 test rows hold ~1,800, so the
+    # splits overlap (of one digit, the test rows hold all 100 and nothing is left to train on)
+    task = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=2"
     args = SFTArgs(dataset=task, rg_size=300, max_examples=0, eval_limit=50)
     eval_rows = sft.load_eval_rows(args)
     examples = sft.load_sft_examples(args, tokenizer, eval_rows)
-    questions = {data.format_prompt(data.load_prompt("r1_zero"), row["question"]) for row in eval_rows}
+    template = data.load_prompt("r1_zero")
+    asked = {data.format_prompt(template, row["question"]) for row in eval_rows} | {  # (rg questions: no case or spacing)
+        data.format_prompt(template, row["question"]) for row in data.load_dataset(task, "test")}
+    drawn = [data.format_prompt(template, row["question"]) for row in data.load_dataset(task, "train", size=300)]
     assert len(eval_rows) == 50 and 0 < len(examples) < 300
-    assert not questions & {e["prompt"] for e in examples}
+    assert not asked & {e["prompt"] for e in examples}
     assert all(e["response"].endswith(" </answer>") and " = " in e["response"] for e in examples)
-    assert len(sft.load_sft_examples(SFTArgs(dataset=task, rg_size=300, max_examples=0), tokenizer)) == 300
+    unheld = sft.load_sft_examples(SFTArgs(dataset=task, rg_size=300, max_examples=0, eval_limit=0), tokenizer)
+    assert sorted(e["prompt"] for e in unheld) == sorted(prompt for prompt in drawn if prompt not in asked) == \
+        sorted(e["prompt"] for e in examples)  # the first 50 test rows are among the 2,000
     rewrites = sft.load_sft_examples(SFTArgs(dataset=task, rg_size=300, max_examples=5, worked_style="rewrite"), tokenizer)
     assert all(e["response"].count(" = ") == 1 and e["response"].startswith(" ") for e in rewrites)  # 2 numbers: 1 step
 
@@ -426,13 +433,16 @@ def test_the_delethink_demos_default_budget_holds_every_solution_it_asks_for(tas
 @pytest.mark.parametrize("task", ["sums", "repeated", "until"])
 def test_the_delethink_demo_never_evaluates_on_a_question_it_trains_on(task):
     """SFT's chains have 2-6 terms, RL's 8 and the longer evaluations 15 and 30: no shared question; the 8-term
-    evaluation is the test split (sums) or the held-out half of the (start, step) pairs (repeated), which RL under
-    seeds 0-2 never draws (nor holds out for its own evaluation)."""
+    evaluation is the test split (sums) or the held-out half of the (start, step) pairs (repeated, until), which RL
+    under seeds 0-2 never draws (and evaluates on)."""
     sft_task, rl_task, tests = delethink_demo.TASKS[task]
+    eval_flags = delethink_demo.rl_eval_flags(task)
+    assert eval_flags == ([] if task == "sums" else ["--eval_dataset", tests[delethink_demo.RL_TERMS]])
     for seed in range(3):
         sft_questions = {row["question"] for row in data.load_dataset(sft_task, "train", size=2000, seed=seed)}
-        rl_train, rl_eval, _ = train_rl.load_questions(RLArgs(dataset=rl_task, rg_size=2000, seed=seed,
-                                                              eval_limit=100), log=lambda line: None)
+        rl_train, rl_eval, _ = train_rl.load_questions(RLArgs(dataset=rl_task, rg_size=2000, seed=seed, eval_limit=100,
+                                                              eval_dataset=(eval_flags or [None, None])[1]),
+                                                       log=lambda line: None)
         by_evaluate = [row for spec in tests.values() for row in data.load_dataset(spec, "test", size=100)]
         evaluated = {row["question"] for row in rl_eval + by_evaluate}
         assert len(evaluated) >= 300 and not evaluated & sft_questions
