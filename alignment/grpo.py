@@ -19,6 +19,7 @@ from alignment.estimators import clamped_log_ratio, compute_gspo_loss, kl_penalt
 from alignment.user_reward import zero_failed_parts
 
 LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip", "gspo")
+CLIPPED_LOSSES = ("grpo_clip", "gspo")  # the losses that report clip_fraction
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "trace-length")
 
 

@@ -37,7 +37,7 @@ from alignment.errors import UserError, cli
 from alignment.estimators import compute_rollout_is_weights, compute_value_loss, sampler_mismatch
 from alignment.evaluate import PROMPT_SETTINGS, check_context, context_need, evaluate, make_scorer, summary_line
 from alignment.experience import Experience, SamplingStopped, build_experience, collect_rollouts
-from alignment.grpo import policy_microbatch_train_step, weighted_sum
+from alignment.grpo import CLIPPED_LOSSES, policy_microbatch_train_step, weighted_sum
 from alignment.run import Run
 from alignment.samplers import make_sampler, pick_backend
 from alignment.sampling import SamplingParams, WeightPush, derive_seed
@@ -453,8 +453,12 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
                         kl_estimator=args.kl_estimator, entropy_coef=args.entropy_coef)
     device, sharded = next(m.policy.parameters()).device, distributed.launched()
     losses, budget, size = [], microbatch_tokens(args, device), args.train_mini_batch_size
-    parts = distributed.evened(exp.token_microbatches(rows, budget) if budget else
-                               [rows[i:i + size] for i in range(0, len(rows), size)], sharded)
+
+    def split(some: list[int]) -> list[list[int]]:
+        return exp.token_microbatches(some, budget) if budget else [some[i:i + size] for i in range(0, len(some), size)]
+    silent = set(silent_rows(args, exp, rows)) if learn and not sharded else set()  # (FSDP2: every rank runs backward)
+    loud = [i for i in rows if i not in silent]
+    parts = distributed.evened(split(loud) + split([i for i in rows if i in silent]), sharded)
     # a prompt whose group spans microbatches runs once (FSDP: one whole-model call per microbatch instead)
     shared = None if sharded else SharedPrompts([[exp.rows[i].prompt_ids for i in part] for part in parts])
     for part in parts:
@@ -472,7 +476,8 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
              * args.value_loss_coef).backward()
             train.add("value_loss", torch.where(mb.mask.bool(), value_loss.detach(), 0.0).sum() * per_token, tokens)
             train.add("value_clip_fraction", value_meta["clipped"].float().sum() * per_token, tokens)
-        with torch.set_grad_enabled(learn):  # during the critic warm-up the policy's forward only logs
+        grad = learn and not silent.issuperset(part)
+        with torch.set_grad_enabled(grad):  # during the critic warm-up the policy's forward only logs
             out = rollout_log_probs(m.policy, mb.prompts, mb.responses, return_token_entropy=True, one_forward=sharded,
                                     temperature=args.sampling_temperature, entropy_grad=bool(args.entropy_coef),
                                     shared=shared)
@@ -480,7 +485,9 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
         # on-policy the old policy is the current one: the ratio is 1, only its gradient matters
         old = log_probs.detach() if mb.old_log_probs is None else mb.old_log_probs
         is_weights = _rollout_correction(args, old, mb, train, tokens)
-        if learn:
+        if learn and not grad and args.loss_type in CLIPPED_LOSSES:  # advantage 0: the clipped term is never smaller
+            train.add("clip_fraction", 0.0, tokens)
+        if grad:
             weights = to_device(policy_weights[part], device)
             loss, meta = policy_microbatch_train_step(log_probs, mb.mask, weights, mb.advantages, old,
                                                       ref_log_probs=mb.ref_log_probs, rollout_is_weights=is_weights,
@@ -504,6 +511,21 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
         if ok:
             train.add("loss", sum(losses))
     return ok
+
+
+def silent_rows(args, exp: Experience, rows: list[int]) -> list[int]:
+    """The rows of `rows` that add nothing to the policy's gradient: an advantage of 0 at every response token (a
+    group whose answers all scored alike) with no entropy term in the loss and no reference model (whose KL is
+    logged from the training forward, in the loss or in the reward). Their forward runs without
+    autograd, for the logged entropy and mismatch only: the same gradient at a third of their cost. If every row is
+    silent the first microbatch still runs backward, so that the optimizer steps on zero gradients as before (Adam's
+    momentum moves the weights even then)."""
+    if args.entropy_coef or args.kl_coef:
+        return []
+    advantages, mask = exp.advantages[rows], exp.mask[rows].bool()
+    carries = ((advantages != 0) & mask).any(-1).tolist()  # (rows, 1) or (rows, T) against (rows, T); NaN carries
+    found = [i for i, loud in zip(rows, carries) if not loud]
+    return found if len(found) < len(rows) else found[1:]  # (see above: one row keeps the step's gradient)
 
 
 def _rollout_correction(args, old: torch.Tensor, mb, train: _Means, tokens: torch.Tensor) -> torch.Tensor | None:

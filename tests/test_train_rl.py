@@ -767,3 +767,40 @@ def test_a_resume_says_when_a_cut_off_line_leaves_a_gap_in_the_steps(tiny_model_
         capsys.readouterr()
         train_rl.main(tiny_args(tiny_model_dir, metrics.parent, n_steps=3, resume=str(metrics.parent)))
         assert "the record of step 2 was lost" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", ["mixed", "then_silent"])
+def test_rows_with_no_advantage_run_without_autograd_and_the_steps_are_the_same(tiny_model_dir, tmp_path, monkeypatch,
+                                                                               case):
+    """A group whose answers all scored alike has advantage 0 everywhere: its rows add nothing to the gradient, so
+    their forward runs without autograd (logging only). Against every row through backward: the same losses,
+    gradient norms, entropy, clip fraction and policy; a step with no signal at all still steps Adam (momentum)."""
+    from tests.conftest import parity_reward
+    real, seen = train_rl.silent_rows, []
+    calls = []
+
+    def reward(text, ground_truth, *rest):  # then_silent: step 1's 8 answers by parity, every later one 0
+        calls.append(1)
+        return parity_reward(text, ground_truth) if case == "mixed" or len(calls) <= 8 else \
+            {"reward": 0.0, "format_reward": 1.0, "answer_reward": 0.0}
+    monkeypatch.setitem(train_rl.PROMPT_SETTINGS, "r1_zero", (reward, ()))
+    results = []
+    for skip in (False, True):
+        calls.clear()
+        monkeypatch.setattr(train_rl, "silent_rows", (lambda *a: seen.append(real(*a)) or seen[-1]) if skip else
+                            (lambda *a: []))
+        out = tmp_path / f"run-{skip}"
+        train_rl.main(tiny_args(tiny_model_dir, out, group_size=2, loss_type="grpo_clip", train_batch_size=4,
+                                epochs_per_rollout_batch=2, train_mini_batch_size=2))
+        steps = [m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m]
+        results.append((steps, models.load_model(str(out / "checkpoint"))))
+    assert any(seen) and (case == "then_silent" or not all(len(s) == 3 for s in seen)), seen  # (3 of 4: all silent)
+    (plain_steps, plain_model), (quiet_steps, quiet_model) = results
+    assert len(plain_steps) == len(quiet_steps) == 2
+    for a, b in zip(plain_steps, quiet_steps):
+        for key in ("loss", "grad_norm", "entropy", "clip_fraction", "zero_std_groups"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    if case == "then_silent":
+        assert plain_steps[1]["zero_std_groups"] == 1 and plain_steps[1]["grad_norm"] == 0
+    for (name, p), q in zip(plain_model.named_parameters(), quiet_model.parameters()):  # (tolerance: see above)
+        torch.testing.assert_close(q, p, atol=1e-4, rtol=1e-5, msg=name)
