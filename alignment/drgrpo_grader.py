@@ -89,18 +89,18 @@ def normalize(answer):
     s = _expand_short_args(s)
     s = re.sub(r"_\{(\w+)\}", r"_\1", s)  # base subscripts: `4210_{5}` -> `4210_5`
     s = re.sub(r"\^\{(\w)\}", r"^\1", s)
-    s = re.sub(r"\s+", "", s)
+    s = re.sub(r"\s+", "", s).replace("{,}", ",")  # LaTeX's thousands separator: `1{,}000`
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):  # `1,000` -> `1000` (only for a lone number)
         s = s.replace(",", "")
     return s
 
 
 def _to_number(s):
-    """Exact value of a normalised plain number, fraction or mixed number, or None."""
+    """Exact value of a normalised plain number (`1.5e3` too, exactly), fraction or mixed number, or None."""
     if len(s) > MAX_DIGITS:
         return None
     sign, body = (-1, s[1:]) if s.startswith("-") else (1, s)
-    if re.fullmatch(r"\d+(\.\d*)?|\.\d+", body):
+    if re.fullmatch(r"(\d+(\.\d*)?|\.\d+)([eE][+-]?\d{1,3})?", body):
         return sign * Fraction(body)
     m = re.fullmatch(r"(\d+)?\\frac\{(\d+(?:\.\d+)?)\}\{(\d+(?:\.\d+)?)\}", body) or re.fullmatch(
         r"()(\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)", body)

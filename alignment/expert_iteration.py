@@ -29,7 +29,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from alignment import allocator, distributed, models
+from alignment import allocator, distributed, models, user_reward
 from alignment.args import EIArgs, parse
 from alignment.errors import UserError, cli
 from alignment.evaluate import check_context, evaluate, summary_line
@@ -106,6 +106,7 @@ def main(args: EIArgs) -> dict:
                   args.prompt, args.chat_template, max(args.sampling_max_tokens, args.eval_max_tokens), run.weights,
                   prompt_file=args.prompt_file)
     score = make_scorer(args, train_rows + eval_rows)  # a bad --reward_fn is refused before the weights load
+    user_reward.recall_returned(score, run.metrics() if run.start_step else [])  # (a resume reads as a run never stopped)
     model = models.load_policy_model(run.weights, roles["policy"], dtype)
     if device.startswith("cuda"):
         model.gradient_checkpointing_enable()

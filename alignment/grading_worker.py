@@ -220,8 +220,9 @@ def _sympy_equal(given, truth):
         return sympy.simplify(g - t) == 0 or sympy.simplify(g + t) == 0
     g, t = _to_sympy(given), _to_sympy(truth)
     if g.is_number and t.is_number:  # an integer gold (`1.2345678901e10` too) only by the same integer (a 10-digit
-        if _exact(t).is_Integer:  # product one off, or half off, is wrong), the answer's decimals taken as written
-            return sympy.simplify(_exact(g) - _exact(t)) == 0
+        exact_truth = sympy.simplify(_exact(t))  # (evaluated: `2 \cdot 617283945`, `10^3` are integers too)
+        if exact_truth.is_Integer:  # product one off, or half off, is wrong), the answer's decimals taken as written
+            return sympy.simplify(_exact(g) - exact_truth) == 0
         difference = sympy.simplify(g - t)  # exact numbers exactly; with a float or an irrational in it, within a
         if difference == 0 or difference.is_Rational:  # relative 1e-9 (`0.3333333333333` against 1/3)
             return difference == 0

@@ -84,7 +84,8 @@ def load_sft_examples(args: SFTArgs, tokenizer=None, eval_rows: list[dict] = (),
         if not Path(args.train_file).exists():
             raise MissingFileError(f"--train_file {args.train_file} does not exist; pass a JSONL of "
                                     f"{{\"prompt\", \"response\"}} objects.")
-        examples = data.load_pairs(args.train_file, args.prompt_key, args.response_key)
+        examples = without_asked(data.load_pairs(args.train_file, args.prompt_key, args.response_key), args, eval_rows,
+                                 log)
     elif args.dataset == "gsm8k":
         held_out = held_out_twins(args, eval_rows)
         rows = [row for row in data.load_gsm8k("train", args.data_dir) if data.twin(row["question"]) not in held_out]
@@ -198,6 +199,29 @@ def held_out_twins(args: SFTArgs, eval_rows: list[dict]) -> set[str]:
     return {data.twin(row["question"]) for row in eval_rows} | data.test_twins(
         args.eval_dataset or args.dataset, args.data_dir, flag="--eval_dataset" if args.eval_dataset else "--dataset",
         **keys)
+
+
+def without_asked(examples: list[dict], args: SFTArgs, eval_rows: list[dict], log=print) -> list[dict]:
+    """--train_file's examples less those whose prompt holds a question of the evaluation set's test split (up to
+    spacing and case), counted in one line, as the other paths leave theirs out. No evaluation set (--eval_limit 0
+    without --eval_dataset): nothing to hold out."""
+    if not (eval_rows or args.eval_dataset):
+        return examples
+    name = args.eval_dataset or "gsm8k"
+    asked = {data.twin(row["question"]) for row in eval_rows} | data.test_twins(
+        name, args.data_dir, question_key=args.question_key, answer_key=args.answer_key,
+        flag="--eval_dataset" if args.eval_dataset else "--dataset")
+    prompts = [data.twin(example["prompt"]) for example in examples]
+    joined = "\0".join(prompts)
+    found = [question for question in asked if question and question in joined]  # (one search each, not one a pair)
+    kept = [example for example, prompt in zip(examples, prompts) if not any(q in prompt for q in found)]
+    if len(kept) < len(examples):
+        log(f"[sft] {len(examples) - len(kept)} of {len(examples)} --train_file examples left out: their prompt holds "
+            f"a test question of {name}, which `alignment.evaluate --dataset {name}` scores")
+    if not kept:
+        raise UserError(f"every example of --train_file {args.train_file} asks a test question of {name}: evaluate on "
+                        f"another set (--eval_dataset) or train on other questions.")
+    return kept
 
 
 def load_eval_rows(args: SFTArgs) -> list[dict]:

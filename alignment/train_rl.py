@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from alignment import allocator, data, distributed, lora, models, tir
+from alignment import allocator, data, distributed, lora, models, tir, user_reward
 from alignment.args import RLArgs, parse
 from alignment.async_rollouts import RolloutSource
 from alignment.errors import UserError, cli
@@ -79,8 +79,9 @@ def load_questions(args: RLArgs, log=print, script: str = "train_rl") -> tuple[l
     test = data.test_twins(eval_name, args.data_dir, flag="--eval_dataset" if args.eval_dataset else "--dataset", **keys)
     before, kept = len(kept), [row for row in kept if data.twin(row["question"]) not in test]
     if len(kept) < before:
-        log(f"[{script}] {before - len(kept)} more training questions are copies (in spacing or case) of questions "
-            f"in the test split of {eval_name}, which `alignment.evaluate --dataset {eval_name}` scores; left out too.")
+        log(f"[{script}] {before - len(kept)} more training questions are copies (the same, or in other spacing or "
+            f"case) of questions in the test split of {eval_name}, which `alignment.evaluate --dataset {eval_name}` "
+            f"scores; left out too.")
     data.log_trained_test_questions(args.dataset, eval_name, [row["question"] for row in kept], log, script,
                                     args.data_dir, **keys)
     if not kept:
@@ -137,6 +138,7 @@ def main(args: RLArgs) -> dict:
         for row in train_rows + eval_rows:
             data.format_prompt(template, row["question"], row.get("columns"))
     score = make_scorer(args, train_rows + eval_rows)  # a bad --reward_fn is refused before the weights load
+    user_reward.recall_returned(score, run.metrics() if run.start_step else [])  # (a resume reads as a run never stopped)
     m = load_models(args, run, roles, device, backend)
     reference = ("the policy with its adapters off (no second copy)" if m.reference is m.policy else
                  f"{run.start_model} on {roles['reference']}" if m.reference is not None else "none (--kl_coef 0)")
@@ -178,7 +180,9 @@ def main(args: RLArgs) -> dict:
             # 1-3. Sample and score this step's batch, build its experience, update on it.
             batch, train, times, bad_steps = _one_step(args, run, m, source, push, step, bad_steps, save, settle)
             if step == 0 or (step == run.start_step and args.accept_changed_reward):  # the run's first step, or a
-                _refuse_a_broken_reward(args, score, batch)  # resume's first with a reward changed since (as a start)
+                _refuse_a_broken_reward(args, score, batch, resumed=step > 0)  # resume's first with a reward changed
+            for error in getattr(getattr(score, "user_reward", None), "news", lambda: [])():  # each kind once
+                run.say(f"[train_rl] step {step + 1}: a --reward_fn call failed (scored 0): {error}")
             generated_tokens += int(batch.metrics["sampled_tokens"])
 
             # 4. Log, write a few full rollouts, evaluate, checkpoint.
@@ -259,13 +263,14 @@ def _evaluate(args: RLArgs, run: Run, m: Models, source, push, eval_rows, eval_n
     distributed.barrier()
 
 
-def _refuse_a_broken_reward(args: RLArgs, score, batch):
+def _refuse_a_broken_reward(args: RLArgs, score, batch, resumed: bool = False):
     """A --reward_fn that failed on every sample of the run's first step (or of a resume's first, after the reward
     changed) is a bug, not an odd sample: one line. Later, as in a run never stopped, failures are counted."""
     reward = getattr(score, "user_reward", None)
     if reward is not None and batch.metrics["reward_failures"] >= batch.metrics["questions_sampled"] * args.group_size:
-        raise UserError(f"--reward_fn {args.reward_fn} failed on every sample of the first step, e.g. "
-                        f"{reward.errors[-1] if reward.errors else '(on another rank)'}: fix it, then start again.")
+        which, then = ("resumed run", "resume again") if resumed else ("run", "start again")
+        raise UserError(f"--reward_fn {args.reward_fn} failed on every sample of the {which}'s first step, e.g. "
+                        f"{reward.errors[-1] if reward.errors else '(on another rank)'}: fix it, then {then}.")
 
 
 def _one_step(args: RLArgs, run: Run, m: Models, source, push, step: int, bad_steps: int, save, settle) -> tuple:

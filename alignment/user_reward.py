@@ -91,12 +91,23 @@ def source_hash(spec: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def recall_returned(score, records: list[dict]):
+    """After --resume: the parts the run's earlier steps and evaluations read (not null) were returned by the
+    function, so a later step whose calls all fail reads 0 there, as in a run never stopped (a new process's worker
+    has seen no call)."""
+    reward = getattr(score, "user_reward", None)
+    if reward is not None:
+        reward.returned |= {key for record in records for key in KEYS for name in (key, f"eval_avg_{key}s")
+                            if isinstance(record.get(name), (int, float)) and not math.isnan(record[name])}
+
+
 class UserReward:
     """`reward(response, ground_truth, columns) -> {reward, format_reward, answer_reward, reward_failed}` (the
     optional parts NaN when the function does not return them), and `errors`: each failure's line, in order."""
 
     def __init__(self, spec: str, timeout: float):
         self.spec, self.timeout, self.errors, self.returned = spec, timeout, [], set()  # the parts a call returned
+        self.told = set()  # the failures' lines said in the run's log (news)
         split_spec(spec)
         check_timeout(timeout)
         self.sha256 = source_hash(spec)
@@ -126,9 +137,9 @@ class UserReward:
             reply = None
         if reply is None:  # the worker itself is gone or stuck (it never should be): a failure, and a new worker
             self.close()
-            errors, returned = self.errors, self.returned  # the failures so far are still the run's
+            kept = self.errors, self.returned, self.told  # the failures so far are still the run's
             self.__init__(self.spec, self.timeout)
-            self.errors, self.returned = errors, returned
+            self.errors, self.returned, self.told = kept
             reply = {"error": "the reward worker stopped answering"}
         if "error" in reply:
             self.errors.append(reply["error"])
@@ -137,6 +148,18 @@ class UserReward:
             return {"reward": 0.0, **{key: 0.0 if key in self.returned else math.nan for key in KEYS}, "reward_failed": 1.0}
         self.returned.update(key for key in KEYS if key in reply)
         return {"reward": reply["reward"], **{key: reply.get(key, math.nan) for key in KEYS}, "reward_failed": 0.0}
+
+    def news(self, kinds: int = 5) -> list[str]:
+        """The failures' lines not told before, each text once, at most `kinds` in a run: where a step line's
+        "reward failures N" comes from (evaluate's summary gives its first)."""
+        fresh = []
+        for error in dict.fromkeys(self.errors):
+            if len(self.told) >= kinds:
+                break
+            if error not in self.told:
+                self.told.add(error)
+                fresh.append(error)
+        return fresh
 
     def _reply(self, deadline: float) -> dict | None:
         fd = self.proc.stdout.fileno()

@@ -391,7 +391,7 @@ def main():
     args = parse_args()
     out = args.out
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
-    seconds = run_all(plan(args, out), out, args.overwrite)
+    seconds = run_all(plan(args, out), out, args.overwrite, reports=("delethink_demo.md", "samples.md"))
     rates = write_table(args, out, seconds)
     write_samples(args, out)
     plot(args, rates, out)

@@ -330,7 +330,8 @@ def main():
     check_flags([s for s in plan(argparse.Namespace(**{**vars(args), "stages": ["rl"]}), args.out)])
     if not args.card:
         check_inputs(args)
-    seconds = {} if args.card else run_all(plan(args, args.out), args.out, args.overwrite)
+    seconds = {} if args.card else run_all(plan(args, args.out), args.out, args.overwrite, reports=("gsm8k_card.md",),
+                                           record="card.json")
     try:
         write_card(args, args.out, {**times(args.out), **{k: v for k, v in seconds.items() if v is not None}})
     except UserError as e:  # a damaged results.jsonl or record: one line

@@ -142,13 +142,20 @@ def write_own(path: Path, text: str | bytes, record: str = "written.json"):
     """Write a report of the driver's (its table, samples.md, a card), unless the file there is not the one it last
     wrote (its sha256 is in `record` beside it): a reader's edits or a file of the user's are never replaced; one
     line says so, and the stages' results stay for the next run."""
+    known = check_own(path, record)
+    content = text.encode() if isinstance(text, str) else text  # (a plot's PNG: bytes)
+    path.write_bytes(content)
+    write_record(path.with_name(record), {**known, path.name: hashlib.sha256(content).hexdigest()})
+
+
+def check_own(path: Path, record: str = "written.json") -> dict:
+    """`record`'s hashes, after checking that the file at `path`, if any, is the one the driver last wrote (else one
+    line: run_all asks before the first stage, write_own again before it writes)."""
     known = read_record(path.with_name(record), lambda v: isinstance(v, str))
     if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() != known.get(path.name):
         sys.exit(f"{NAME} error: {path} is not the file this driver last wrote (edited, or a file of yours): move it "
                  f"away and run again (the stages' results are kept).")
-    content = text.encode() if isinstance(text, str) else text  # (a plot's PNG: bytes)
-    path.write_bytes(content)
-    write_record(path.with_name(record), {**known, path.name: hashlib.sha256(content).hexdigest()})
+    return known
 
 
 def write_record(path: Path, value: dict):
@@ -222,7 +229,7 @@ def check_plan(plan: list[Stage], out: Path, overwrite: bool):
     replaced is refused unless this driver made it and it holds only what its script writes."""
     known, wanted = records(out), {}
     for stage in plan:
-        wanted[stage.name] = record(stage, wanted)
+        wanted[stage.name] = record(stage, {**known, **wanted})  # an input made before this call: as recorded
         if not used(stage.folder):
             continue
         mine = portable(known.get(stage.name), out) == portable(wanted[stage.name], out) and stage.holds_its_own()
@@ -319,12 +326,16 @@ def run_stage(stage: Stage, out: Path) -> float | None:
     return seconds[stage.name]
 
 
-def run_all(stages: list[Stage], out: Path, overwrite: bool) -> dict:
-    """Every stage's flags checked and every folder's record read before the first runs, then each run or kept in
-    order; {stage: wall seconds}. Ctrl-C or SIGTERM (passed on to the stage running) stops with how to continue."""
+def run_all(stages: list[Stage], out: Path, overwrite: bool, reports: tuple[str, ...] = (),
+            record: str = "written.json") -> dict:
+    """Every stage's flags checked, every folder's record read and the reports it will write (`reports`, in `out`)
+    checked as its own before the first runs, then each run or kept in order; {stage: wall seconds}. Ctrl-C or
+    SIGTERM (passed on to the stage running) stops with how to continue."""
     try:
         check_flags(stages)
         check_plan(stages, out, overwrite)
+        for name in reports:
+            check_own(out / name, record)
         out.mkdir(parents=True, exist_ok=True)
         return {stage.name: run_stage(stage, out) for stage in stages}
     except KeyboardInterrupt:  # between stages: none is running
@@ -521,7 +532,7 @@ def main():
     args = parse_args()
     out = args.out
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
-    seconds = run_all(plan(args, out), out, args.overwrite)
+    seconds = run_all(plan(args, out), out, args.overwrite, reports=("steps_demo.md", "samples.md"))
     rows = [seed_row(seed, out, seconds) for seed in args.seeds]
     base = {name: summary(out / f"eval-start-{name}") for name in ("trained", "transfer")}
     write_table(rows, base, out, args)

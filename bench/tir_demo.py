@@ -214,7 +214,7 @@ def main():
     args = parse_args()
     out = args.out
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
-    seconds = run_all(plan(args, out), out, args.overwrite)
+    seconds = run_all(plan(args, out), out, args.overwrite, reports=("tir_demo.md", "samples.md"))
     write_table(args, out, seconds)
     write_samples(args, out)
     print(f"{NAME} wrote {out / 'tir_demo.md'} and {out / 'samples.md'}")

@@ -465,3 +465,43 @@ def test_a_drivers_report_never_replaces_a_users_file(tmp_path):
     for driver in (steps_demo, tir_demo, delethink_demo):  # every report goes through it
         source = inspect.getsource(driver)
         assert ".md\").write_text(" not in source and source.count("write_own(out / ") == 2, driver.__name__
+
+
+def test_a_users_report_is_refused_before_the_first_stage_runs(tmp_path, monkeypatch):
+    """The refusal came only after every stage had run (hours, for a whole demo: a probe round, 2026-12-02)."""
+    import inspect
+    import gsm8k_card
+    ran = []
+    monkeypatch.setattr(steps_demo, "run_stage", lambda stage, out: ran.append(stage.name) or 0.0)
+    stage = Stage("sft-seed0", ["-m", "alignment.sft", "--output_dir", str(tmp_path / "sft-seed0")], trains=True)
+    (tmp_path / "samples.md").write_text("MY OWN NOTES\n")
+    with pytest.raises(SystemExit, match="samples.md is not the file this driver last wrote"):
+        steps_demo.run_all([stage], tmp_path, False, reports=("steps_demo.md", "samples.md"))
+    assert not ran
+    (tmp_path / "samples.md").unlink()
+    assert steps_demo.run_all([stage], tmp_path, False, reports=("steps_demo.md", "samples.md")) == {"sft-seed0": 0.0}
+    for driver, names in ((steps_demo, "steps_demo.md"), (tir_demo, "tir_demo.md"),
+                          (delethink_demo, "delethink_demo.md"), (gsm8k_card, "gsm8k_card.md")):
+        assert re.search(rf"run_all\(.*reports=\(\"{names}\"", inspect.getsource(driver.main), re.S), driver.__name__
+
+
+def test_a_stage_run_alone_resumes_over_an_input_made_by_an_earlier_call(tmp_path):
+    """`gsm8k_card.py --stages rl` after a stop: the RL stage's record reads the SFT stage, which this call's plan
+    lacks; the plan compared it with nothing and refused the RL folder as "made with other flags" (2026-12-02)."""
+    from alignment.args import SCRIPTS, parse, to_dict
+    sft = Stage("sft-seed0", ["-m", "alignment.sft", "--lr", "1e-4", "--output_dir", str(tmp_path / "sft-seed0")],
+                trains=True)
+    rl = Stage("rl-seed0", ["-m", "alignment.train_rl", "--model", str(tmp_path / "sft-seed0"), "--n_steps", "9",
+                            "--output_dir", str(tmp_path / "rl-seed0")], reads=("sft-seed0",), trains=True)
+    (tmp_path / "rl-seed0" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "rl-seed0" / "checkpoint" / "trainer_state.pt").write_bytes(b"")  # stopped at a step: resumes
+    config = json.loads(json.dumps(to_dict(parse(SCRIPTS["train_rl"], rl.command[2:])), default=str))
+    (tmp_path / "rl-seed0" / "config.json").write_text(json.dumps(config))
+    known = {"sft-seed0": steps_demo.record(sft, {})}
+    steps_demo.write_record(tmp_path / steps_demo.STAGES_FILE, {**known, "rl-seed0": steps_demo.record(rl, known)})
+    steps_demo.check_plan([rl], tmp_path, False)  # (it exited here)
+    other = Stage(sft.name, sft.command[:3] + ["2e-4"] + sft.command[4:], trains=True)  # the SFT made again since
+    steps_demo.write_record(tmp_path / steps_demo.STAGES_FILE, {"sft-seed0": steps_demo.record(other, {}),
+                                                                "rl-seed0": steps_demo.record(rl, known)})
+    with pytest.raises(SystemExit, match="holds a rl-seed0 result made with other flags"):
+        steps_demo.check_plan([rl], tmp_path, False)

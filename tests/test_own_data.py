@@ -274,7 +274,10 @@ def test_rl_on_ones_own_file_and_reward_counts_failures_and_guards_the_resume(ow
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     steps = [m for m in metrics if "reward_failures" in m]
     assert len(steps) == 2 and sum(m["reward_failures"] for m in steps) > 0 and all(m["format_reward"] is None for m in steps)
-    assert "reward failures" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "reward failures" in out
+    told = [line for line in out.splitlines() if "a --reward_fn call failed (scored 0):" in line]  # (a probe round:
+    assert told and len(told) == len(set(line.split(": ", 1)[1] for line in told)) <= 5, told  # no why was given)
     evals = [m for m in metrics if "eval_avg_all_rewards" in m]
     held_out = data.load_dataset(str(own / "rows.jsonl"), "test", question_key="problem", answer_key="gold")
     assert evals and all(m["eval_count"] == len(held_out) for m in evals)  # the file's own held-out tenth
@@ -286,7 +289,7 @@ def test_rl_on_ones_own_file_and_reward_counts_failures_and_guards_the_resume(ow
         train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", **resume))
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", accept_changed_reward=True, **resume))
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["step"] == 3
-    with pytest.raises(UserError, match="failed on every sample of the first step, e.g. TypeError: the return value "
+    with pytest.raises(UserError, match="failed on every sample of the run's first step, e.g. TypeError: the return value "
                                         "is null"):
         train_rl.main(tiny_args(tiny_model_dir, tmp_path / "broken", reward_fn=f"{own / 'rl_rewards.py'}:always_fails",
                                 **flags))
@@ -408,7 +411,7 @@ def test_copies_of_any_test_question_of_a_file_are_left_out_whatever_the_eval_li
         kept, _, _ = load_questions(RLArgs(dataset=str(tmp_path / "twins.jsonl"), eval_limit=limit,
                                            rollout_batch_size=2, group_size=2), lines.append)
         assert kept and not {data.twin(r["question"]) for r in kept} & test, limit
-        assert limit == 100 or any("copies (in spacing or case) of questions in the test split" in line
+        assert limit == 100 or any("copies (the same, or in other spacing or case) of questions in the test split" in line
                                    for line in lines), lines
 
 
@@ -608,9 +611,13 @@ def test_a_failed_call_counts_zero_in_the_parts_other_calls_return_and_an_absent
     assert scores[1]["format_reward"] == 0.0 and scores[1]["answer_reward"] != scores[1]["answer_reward"]  # NaN
     metrics = reward_metrics(torch.tensor([1.0, 0.0]), [ok, failed], 2)
     assert metrics["format_reward_mean"] == 0.5 and math.isnan(metrics["answer_reward_mean"])
-    reward = UserReward.__new__(UserReward)  # a step whose calls all fail reads 0 in the parts earlier calls returned
-    reward.returned = {"format_reward"}
-    assert reward.returned and "format_reward" in reward.returned
+    from alignment.user_reward import recall_returned
+    reward = UserReward.__new__(UserReward)  # a resume: the parts earlier records read count as returned
+    reward.returned, score = set(), lambda *a: None
+    score.user_reward = reward
+    recall_returned(score, [{"step": 1, "format_reward": None, "answer_reward": nan}, {"step": 2, "format_reward": None},
+                            {"step": 2, "eval_avg_format_rewards": 0.5, "eval_avg_answer_rewards": None}])
+    assert reward.returned == {"format_reward"}
 
 
 def test_a_step_whose_calls_all_fail_reads_zero_not_absent_and_a_resume_counts_them_as_a_run_never_stopped(
@@ -639,8 +646,8 @@ def test_a_step_whose_calls_all_fail_reads_zero_not_absent_and_a_resume_counts_t
     assert [m["format_reward"] for m in steps] == [1.0, 0.0] and steps[1]["reward_failures"] == 8
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", resume=str(tmp_path / "run"), n_steps=3, **flags))
     steps = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in m]
-    assert len(steps) == 3 and steps[2]["reward_failures"] == 8  # counted, as without the stop (its parts: a new
-    # process has seen no call return them, so they read absent there)
+    assert len(steps) == 3 and steps[2]["reward_failures"] == 8  # counted, as without the stop, and its parts read
+    assert steps[2]["format_reward"] == steps[2]["answer_reward"] == 0.0  # 0 as there (a probe round: null)
 
 
 def test_the_reward_worker_and_its_call_end_when_the_run_is_gone(own):
@@ -756,3 +763,26 @@ def test_a_built_in_sets_files_are_hashed_so_a_resume_on_another_data_folder_is_
     here, there = _data_hash(RLArgs(dataset="gsm8k")), _data_hash(RLArgs(dataset="gsm8k", data_dir=str(other)))
     assert len(here["dataset_sha256"]) == 64 and here["dataset_sha256"] != there["dataset_sha256"]
     assert "accept_changed_data" not in RLArgs(dataset="gsm8k", resume="x").own_data_moot()
+
+
+def test_sft_train_file_leaves_out_prompts_that_ask_an_evaluation_question(tmp_path):
+    """--train_file trained on prompts holding the evaluation set's test questions, with no word (a probe round,
+    2026-12-02): they are left out as the other paths leave theirs, counted in one line."""
+    from alignment import sft
+    from alignment.args import SFTArgs
+    rows = [{"question": f"How many apples are in basket number {i}?", "answer": str(i)} for i in range(60)]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    test = [row["question"] for row in data.load_dataset(str(tmp_path / "eval.jsonl"), "test")]
+    assert 0 < len(test) < 60
+    pairs = [{"prompt": f"User:  {q.upper()}\nAssistant:", "response": " 1"} for q in test[:2]] + \
+        [{"prompt": "User: What is 2 + 2?\nAssistant:", "response": " 4"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    args = SFTArgs(train_file=str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "eval.jsonl"), eval_limit=1)
+    lines = []
+    examples = sft.load_sft_examples(args, None, sft.load_eval_rows(args), log=lines.append)
+    assert [e["response"] for e in examples] == [" 4"]
+    assert any(line.startswith("[sft] 2 of 3 --train_file examples left out") for line in lines), lines
+    assert len(sft.load_sft_examples(SFTArgs(train_file=str(tmp_path / "train.jsonl"), eval_limit=0), None, [])) == 3
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs[:2]))
+    with pytest.raises(UserError, match="every example of --train_file .* asks a test question of"):
+        sft.load_sft_examples(args, None, sft.load_eval_rows(args), log=lines.append)
