@@ -95,9 +95,17 @@ def test_grade(given, truth, expected):
     ("100000000000000000001", "1e+20", False), ("100000000000000000000", "1e+20", True),  # the first, third, fifth right)
     ("4.56 \\times 10^{7}", "45600000", True), ("0.07 \\times 100", "7", True),  # decimals as written, not binary
     ("1.2345678901 \\times 10^{10}", "12345678901", True), ("4.5600001 \\times 10^{7}", "45600000", False),
+    # an integer gold written as an expression is an integer too (a probe round, 2026-12-02: within 1e-9 before)
+    ("1234567890.5", "2 \\cdot 617283945", False), ("1234567890", "2 \\cdot 617283945", True),
+    ("1000.0000001", "10^3", False), ("1024.0000001", "2^{10}", False), ("999999999.9999", "10^9", False),
+    # e-notation and LaTeX's thousands separator, as the numbers they write (the same round: all wrong before)
+    ("1e3", "1000", True), ("4.56e7", "45600000", True), ("1.2345678901e10", "12345678901", True),
+    ("1e-3", "0.001", True), ("2.5E2", "250", True), ("1e3", "1001", False), ("1.2345678905e10", "12345678901", False),
+    ("1{,}000", "1000", True), ("1{,}234.5", "1234.5", True), ("1{,}001", "1000", False),
 ])
-def test_integers_compare_exactly_and_other_numbers_within_a_relative_1e_9(given, truth, expected):
-    assert grade(given, truth) is expected
+@pytest.mark.parametrize("fast", [True, False])
+def test_integers_compare_exactly_and_other_numbers_within_a_relative_1e_9(given, truth, expected, fast):
+    assert grade(given, truth, fast) is expected
 
 
 def test_case_count():
