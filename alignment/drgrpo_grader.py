@@ -73,7 +73,9 @@ def _expand_short_args(s):
 
 def normalize(answer):
     """Canonical string form of an answer; equal forms are graded equal without further work."""
-    s = answer.strip()
+    s = answer.strip().replace("\u2212", "-")  # Unicode's minus sign, as typeset text writes it
+    boxed = re.fullmatch(r"\\boxed\{(.*)\}", s)
+    s = boxed[1] if boxed and extract_boxed(s) == boxed[1] else s  # a lone `\boxed{5}`: its content
     for token in _REMOVE:
         s = s.replace(token, "")
     s = s.replace(r"\dfrac", r"\frac").replace(r"\tfrac", r"\frac").replace(r"\{", "{").replace(r"\}", "}")

@@ -62,9 +62,9 @@ def load_questions(args: RLArgs, log=print, script: str = "train_rl") -> tuple[l
     eval_rows = data.load_dataset(eval_name, "test", args.data_dir, size=args.eval_limit, seed=args.seed, **keys,
                                   flag="--eval_dataset" if args.eval_dataset else "--dataset")[:args.eval_limit]
     if data.is_file(eval_name):
-        log(f"[{script}] {'held out of training and ' * (not args.eval_dataset)}evaluated: the test split of "
-            f"{eval_name} (one question in {data.HELD_OUT_EVERY}, by a hash of the question, the same for every seed, "
-            f"unless a `datasets` folder names its own), {len(eval_rows)} questions")
+        log(f"[{script}] held out of training: the test split of {eval_name} (one question in {data.HELD_OUT_EVERY}, "
+            f"by a hash of the question, the same for every seed, unless a `datasets` folder names its own)"
+            f"{f'; evaluated: its first {len(eval_rows)} questions' if eval_rows else ''}")
     held_out = {data.twin(row["question"]) for row in eval_rows}  # a copy differing in spacing or case is the same
     kept = [row for row in train_rows if data.twin(row["question"]) not in held_out]
     if len(kept) < len(train_rows):

@@ -241,3 +241,12 @@ def test_gold_vs_gold_gsm8k():
     failures = [g for g in golds if r1_zero_reward_fn(f"</think> <answer>{g}</answer>", g)["reward"] != 1.0]
     failures += [g for g in golds if question_only_reward_fn(f"... so the answer is \\boxed{{{g}}}.", g)["reward"] != 1.0]
     assert failures == []
+
+
+@pytest.mark.parametrize("given,truth,expected", [
+    ("\u22125", "-5", True), ("\u22125", "5", False), ("\\boxed{5}", "5", True), ("\\boxed{\\frac{1}{2}}", "0.5", True),
+    ("\\boxed{1}+\\boxed{2}", "3", False)])
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_typeset_minus_and_a_lone_box_given_to_grade(given, truth, expected, fast):
+    """Both modes agree (a probe round, 2026-12-02: U+2212 was wrong, and `\\boxed{5}` right only with fast off)."""
+    assert grade(given, truth, fast) is expected

@@ -421,8 +421,11 @@ def test_rl_says_which_split_of_an_eval_file_it_evaluates_and_names_the_eval_fla
     flags = dict(question_key="problem", answer_key="gold", rollout_batch_size=2, group_size=2)
     _, evaluated, _ = load_questions(RLArgs(dataset=str(own / "rows.jsonl"), eval_dataset=str(own / "rows.jsonl"),
                                             **flags), lines.append)
-    assert any(f"evaluated: the test split of {own / 'rows.jsonl'} (one question in 10, by a hash of the question"
-               in line and f"{len(evaluated)} questions" in line for line in lines), lines
+    assert any(f"held out of training: the test split of {own / 'rows.jsonl'} (one question in 10, by a hash of the "
+               f"question" in line and f"evaluated: its first {len(evaluated)} questions" in line for line in lines), lines
+    lines.clear()  # with --eval_limit 0 nothing is evaluated, and the line does not say so (a probe round, 2026-12-02)
+    load_questions(RLArgs(dataset=str(own / "rows.jsonl"), eval_limit=0, eval_every=0, **flags), lines.append)
+    assert any("held out of training: the test split of" in line and "evaluated" not in line for line in lines), lines
     (tmp_path / "q.jsonl").write_text('{"question": "a?", "answer": "1"}\n')
     with pytest.raises(UserError, match=rf"^--eval_dataset {tmp_path / 'q.jsonl'} has no column problem, gold"):
         load_questions(RLArgs(dataset=str(own / "rows.jsonl"), eval_dataset=str(tmp_path / "q.jsonl"), **flags))
