@@ -734,7 +734,7 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this")
     eval_every: int = arg(0, "evaluate every N steps (also before training and at the end); 0: only before and after")
-    eval_dataset: str | None = arg(None, "evaluation set (its test split, r1_zero prompt): gsm8k, a MATH-style set, rg:<task> or a file of your own questions (--question_key, --answer_key; its held-out tenth, as alignment.evaluate reads it); default: the test split of --dataset (gsm8k with --train_file)")
+    eval_dataset: str | None = arg(None, "evaluation set (its test split, r1_zero prompt): gsm8k, a MATH-style set, rg:<task> or a file of your own questions (--question_key, --answer_key; its held-out tenth, as alignment.evaluate reads it); default: the test split of --dataset (gsm8k with --train_file); its whole test split is held out of training, with --eval_limit 0 too")
     eval_limit: int = arg(100, "problems per evaluation (0: no evaluation)")
     eval_max_tokens: int = arg(256, "maximum generated tokens per evaluation answer")
     eval_batch_size: int = arg(64, "sequences per generation batch during evaluation")
@@ -743,19 +743,19 @@ class SFTArgs(RunArgs, LoraArgs, SamplerArgs):
     seed: int = arg(0, "seed for data order and torch")
 
     def moot(self) -> dict[str, str]:
-        no_eval = {name: "with --eval_limit 0 (no evaluation)" for name in (
-            "eval_every", "eval_dataset", "eval_max_tokens", "eval_batch_size", "backend", "hf_decoding",
+        no_eval = {name: "with --eval_limit 0 (no evaluation)" for name in (  # (--eval_dataset: still what is held out)
+            "eval_every", "eval_max_tokens", "eval_batch_size", "backend", "hf_decoding",
             "gpu_memory_utilization", "kv_cache_gib", "vllm_enforce_eager", "vllm_max_model_len") if not self.eval_limit}
         own_file = {name: "with --train_file (its examples are the training data)" for name in ("dataset", "rg_size", "worked_style")
                     if self.train_file} | {name: "without --train_file" for name in ("prompt_key", "response_key")
                                            if not self.train_file}
         rows = {} if self.delethink_chunk_size else {"delethink_carryover": "without --delethink_chunk_size"}
         from alignment.data import is_file
-        eval_file = self.eval_limit and is_file(self.eval_dataset or "")
+        eval_file = is_file(self.eval_dataset or "")
         keys = {} if eval_file else {name: "without an --eval_dataset file (the built-in sets name their own columns)"
                                      for name in ("question_key", "answer_key")}
         from alignment.data import BUILTIN_FILES
-        builtin = (self.dataset in BUILTIN_FILES and not self.train_file) or (self.eval_limit and self.eval_dataset in BUILTIN_FILES)
+        builtin = (self.dataset in BUILTIN_FILES and not self.train_file) or self.eval_dataset in BUILTIN_FILES
         if not (eval_file or self.train_file or builtin):
             keys["accept_changed_data"] = "without --train_file, an --eval_dataset file or a built-in set's file"
         elif not self.resume:

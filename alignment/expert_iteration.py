@@ -38,7 +38,7 @@ from alignment.run import Run
 from alignment.samplers import make_sampler, pick_backend
 from alignment.sampling import SamplingParams, WeightPush, derive_seed
 from alignment.sft import batch_indices, lr_factor, train_step
-from alignment.train_rl import load_questions, make_scorer, start_model
+from alignment.train_rl import check_reward, load_questions, make_scorer, start_model
 
 RESUMABLE_CHANGES = {"n_ei_steps"}  # flags a resumed run may change, besides the run folder's own (run.py)
 
@@ -144,6 +144,7 @@ def main(args: EIArgs) -> dict:
             with autocast:
                 batch, _ = collect_rollouts(args, step, step * args.questions_per_step, train_rows, sampler,
                                             tokenizer, score)
+            check_reward(args, run, score, batch, step, "expert_iteration")
             generated_tokens += int(batch.metrics["sampled_tokens"])
             sampled = time.perf_counter()
 
@@ -158,7 +159,7 @@ def main(args: EIArgs) -> dict:
             metrics = {"step": step + 1, **counts, "generated_tokens": generated_tokens,
                        "reward": batch.metrics["reward"], "format_reward": batch.metrics["format_reward"],
                        "answer_reward": batch.metrics["answer_reward"], "response_tokens": batch.metrics["response_tokens"],
-                       **sft, "seconds_sample": sampled - start, "seconds_sft": done - sampled, "seconds": done - start}
+                       **({"reward_failures": batch.metrics["reward_failures"]} if args.reward_fn else {}), **sft, "seconds_sample": sampled - start, "seconds_sft": done - sampled, "seconds": done - start}
             run.log(metrics)
             run.log_rollouts(step + 1, batch.samples[:args.log_rollouts])
             run.say(f"step {step + 1}/{args.n_ei_steps} | {counts['correct_samples']}/{counts['samples']} correct | "
@@ -166,7 +167,8 @@ def main(args: EIArgs) -> dict:
                     f"{metrics['format_reward']:.2f} | len {metrics['response_tokens']:.0f} | sft "
                     f"{sft.get('sft_loss_first', math.nan):.3f} -> {sft.get('sft_loss', math.nan):.3f} in "
                     f"{sft['sft_steps']} steps | tokens {generated_tokens} | sample {sampled - start:.0f}s sft "
-                    f"{done - sampled:.0f}s")
+                    f"{done - sampled:.0f}s" + (f" | reward failures {metrics['reward_failures']:.0f}"
+                                                 if metrics.get("reward_failures") else ""))
             if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.n_ei_steps):
                 run_eval(step + 1)
             stop = run.stop_requested()  # Ctrl-C or SIGTERM: checkpoint this step, then end

@@ -29,6 +29,7 @@ CPU defaults use a higher learning rate and few steps so a laptop sees the forma
 
 import math
 import random
+import re
 import time
 from pathlib import Path
 
@@ -214,7 +215,9 @@ def without_asked(examples: list[dict], args: SFTArgs, eval_rows: list[dict], lo
     prompts = [data.twin(example["prompt"]) for example in examples]
     joined = "\0".join(prompts)
     found = [question for question in asked if question and question in joined]  # (one search each, not one a pair)
-    kept = [example for example, prompt in zip(examples, prompts) if not any(q in prompt for q in found)]
+    # whole: "0+1" is not asked by "compute 10+13" (letters and digits on neither side)
+    whole = [re.compile(rf"(?<![^\W_]){re.escape(question)}(?![^\W_])") for question in found]
+    kept = [example for example, prompt in zip(examples, prompts) if not any(w.search(prompt) for w in whole)]
     if len(kept) < len(examples):
         log(f"[sft] {len(examples) - len(kept)} of {len(examples)} --train_file examples left out: their prompt holds "
             f"a test question of {name}, which `alignment.evaluate --dataset {name}` scores")

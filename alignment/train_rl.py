@@ -64,7 +64,7 @@ def load_questions(args: RLArgs, log=print, script: str = "train_rl") -> tuple[l
     if data.is_file(eval_name):
         log(f"[{script}] held out of training: the test split of {eval_name} (one question in {data.HELD_OUT_EVERY}, "
             f"by a hash of the question, the same for every seed, unless a `datasets` folder names its own)"
-            f"{f'; evaluated: its first {len(eval_rows)} questions' if eval_rows else ''}")
+            f"{f'; evaluated: its first {len(eval_rows)} questions' if eval_rows and args.eval_every else ''}")
     held_out = {data.twin(row["question"]) for row in eval_rows}  # a copy differing in spacing or case is the same
     kept = [row for row in train_rows if data.twin(row["question"]) not in held_out]
     if len(kept) < len(train_rows):
@@ -179,10 +179,7 @@ def main(args: RLArgs) -> dict:
         for step in bar:
             # 1-3. Sample and score this step's batch, build its experience, update on it.
             batch, train, times, bad_steps = _one_step(args, run, m, source, push, step, bad_steps, save, settle)
-            if step == 0 or (step == run.start_step and args.accept_changed_reward):  # the run's first step, or a
-                _refuse_a_broken_reward(args, score, batch, resumed=step > 0)  # resume's first with a reward changed
-            for error in getattr(getattr(score, "user_reward", None), "news", lambda: [])():  # each kind once
-                run.say(f"[train_rl] step {step + 1}: a --reward_fn call failed (scored 0): {error}")
+            check_reward(args, run, score, batch, step)
             generated_tokens += int(batch.metrics["sampled_tokens"])
 
             # 4. Log, write a few full rollouts, evaluate, checkpoint.
@@ -263,14 +260,21 @@ def _evaluate(args: RLArgs, run: Run, m: Models, source, push, eval_rows, eval_n
     distributed.barrier()
 
 
-def _refuse_a_broken_reward(args: RLArgs, score, batch, resumed: bool = False):
+def check_reward(args, run: Run, score, batch, step: int, script: str = "train_rl"):
     """A --reward_fn that failed on every sample of the run's first step (or of a resume's first, after the reward
-    changed) is a bug, not an odd sample: one line. Later, as in a run never stopped, failures are counted."""
+    changed) is a bug, not an odd sample: one line. Later, as in a run never stopped, failures are counted; each
+    kind is said once in the log (train_rl and expert_iteration)."""
     reward = getattr(score, "user_reward", None)
-    if reward is not None and batch.metrics["reward_failures"] >= batch.metrics["questions_sampled"] * args.group_size:
+    if reward is None:
+        return
+    resumed = step > 0
+    if (step == 0 or (step == run.start_step and args.accept_changed_reward)) and \
+            batch.metrics["reward_failures"] >= batch.metrics["questions_sampled"] * args.group_size:
         which, then = ("resumed run", "resume again") if resumed else ("run", "start again")
         raise UserError(f"--reward_fn {args.reward_fn} failed on every sample of the {which}'s first step, e.g. "
                         f"{reward.errors[-1] if reward.errors else '(on another rank)'}: fix it, then {then}.")
+    for error in reward.news():
+        run.say(f"[{script}] step {step + 1}: a --reward_fn call failed (scored 0): {error}")
 
 
 def _one_step(args: RLArgs, run: Run, m: Models, source, push, step: int, bad_steps: int, save, settle) -> tuple:

@@ -150,14 +150,16 @@ class UserReward:
         return {"reward": reply["reward"], **{key: reply.get(key, math.nan) for key in KEYS}, "reward_failed": 0.0}
 
     def news(self, kinds: int = 5) -> list[str]:
-        """The failures' lines not told before, each text once, at most `kinds` in a run: where a step line's
-        "reward failures N" comes from (evaluate's summary gives its first)."""
+        """The first failure line of each kind not told before (its text up to the first colon: `ValueError`,
+        `TimeoutError`), at most `kinds` kinds in a run: where a step line's "reward failures N" comes from
+        (evaluate's summary gives its first)."""
         fresh = []
-        for error in dict.fromkeys(self.errors):
+        for error in self.errors:
+            kind = error.split(":")[0]
             if len(self.told) >= kinds:
                 break
-            if error not in self.told:
-                self.told.add(error)
+            if kind not in self.told:
+                self.told.add(kind)
                 fresh.append(error)
         return fresh
 

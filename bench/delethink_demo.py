@@ -48,6 +48,7 @@ continue. Writes <out>/delethink_demo.md (answer rates, chunks, training cost fr
 """
 
 import argparse
+import io
 import os
 import re
 import statistics
@@ -314,7 +315,9 @@ def plot(args, rates: dict, out: Path):
         ax.set_ylim(-0.02, 1.02)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "delethink_demo.png", dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
+    write_own(out / "delethink_demo.png", png.getvalue())  # never over a file of the user's
 
 
 def marked(response: str, tokenizer, budget: int) -> str:
@@ -391,7 +394,7 @@ def main():
     args = parse_args()
     out = args.out
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
-    seconds = run_all(plan(args, out), out, args.overwrite, reports=("delethink_demo.md", "samples.md"))
+    seconds = run_all(plan(args, out), out, args.overwrite, reports=("delethink_demo.md", "samples.md", "delethink_demo.png"))
     rates = write_table(args, out, seconds)
     write_samples(args, out)
     plot(args, rates, out)

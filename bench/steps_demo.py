@@ -152,7 +152,7 @@ def check_own(path: Path, record: str = "written.json") -> dict:
     """`record`'s hashes, after checking that the file at `path`, if any, is the one the driver last wrote (else one
     line: run_all asks before the first stage, write_own again before it writes)."""
     known = read_record(path.with_name(record), lambda v: isinstance(v, str))
-    if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() != known.get(path.name):
+    if path.exists() and (not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != known.get(path.name)):
         sys.exit(f"{NAME} error: {path} is not the file this driver last wrote (edited, or a file of yours): move it "
                  f"away and run again (the stages' results are kept).")
     return known

@@ -445,7 +445,7 @@ def test_a_prompt_longer_than_the_context_names_its_question_instead_of_an_answe
     (RLArgs, ["--gamma", "0.9"], "--gamma 0.9 has no effect outside gae and reinforce_pp"),
     (RLArgs, ["--critic_learning_rate", "1e-4"], "--critic_learning_rate 0.0001 has no effect outside --advantage_estimator gae"),
     (RLArgs, ["--kl_coef", "0", "--kl_estimator", "k2"], "--kl_estimator k2 has no effect with --kl_coef 0"),
-    (SFTArgs, ["--eval_limit", "0", "--eval_dataset", "math500"], "--eval_dataset math500 has no effect with --eval_limit 0"),
+    (SFTArgs, ["--eval_limit", "0", "--eval_max_tokens", "64"], "--eval_max_tokens 64 has no effect with --eval_limit 0"),
     (SFTArgs, ["--train_file", "x.jsonl", "--dataset", "rg:chain_sum"], "--dataset rg:chain_sum has no effect with --train_file"),
     (SFTArgs, ["--rg_size", "100"], "--rg_size 100 has no effect with --dataset gsm8k"),
     (SFTArgs, ["--worked_style", "rewrite"], "--worked_style rewrite has no effect with --dataset gsm8k"),

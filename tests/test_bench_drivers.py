@@ -464,7 +464,8 @@ def test_a_drivers_report_never_replaces_a_users_file(tmp_path):
     assert (tmp_path / "samples.md").read_text() == "### seed 0, again\n"
     for driver in (steps_demo, tir_demo, delethink_demo):  # every report goes through it
         source = inspect.getsource(driver)
-        assert ".md\").write_text(" not in source and source.count("write_own(out / ") == 2, driver.__name__
+        assert ".md\").write_text(" not in source and "savefig(out" not in source and \
+            source.count("write_own(out / ") == 2 + (driver is delethink_demo), driver.__name__  # (its plot too)
 
 
 def test_a_users_report_is_refused_before_the_first_stage_runs(tmp_path, monkeypatch):
@@ -479,6 +480,10 @@ def test_a_users_report_is_refused_before_the_first_stage_runs(tmp_path, monkeyp
         steps_demo.run_all([stage], tmp_path, False, reports=("steps_demo.md", "samples.md"))
     assert not ran
     (tmp_path / "samples.md").unlink()
+    (tmp_path / "samples.md").mkdir()  # a folder of that name: one line, not IsADirectoryError (round 8)
+    with pytest.raises(SystemExit, match="samples.md is not the file this driver last wrote"):
+        steps_demo.run_all([stage], tmp_path, False, reports=("steps_demo.md", "samples.md"))
+    (tmp_path / "samples.md").rmdir()
     assert steps_demo.run_all([stage], tmp_path, False, reports=("steps_demo.md", "samples.md")) == {"sft-seed0": 0.0}
     for driver, names in ((steps_demo, "steps_demo.md"), (tir_demo, "tir_demo.md"),
                           (delethink_demo, "delethink_demo.md"), (gsm8k_card, "gsm8k_card.md")):

@@ -423,9 +423,10 @@ def test_rl_says_which_split_of_an_eval_file_it_evaluates_and_names_the_eval_fla
                                             **flags), lines.append)
     assert any(f"held out of training: the test split of {own / 'rows.jsonl'} (one question in 10, by a hash of the "
                f"question" in line and f"evaluated: its first {len(evaluated)} questions" in line for line in lines), lines
-    lines.clear()  # with --eval_limit 0 nothing is evaluated, and the line does not say so (a probe round, 2026-12-02)
-    load_questions(RLArgs(dataset=str(own / "rows.jsonl"), eval_limit=0, eval_every=0, **flags), lines.append)
-    assert any("held out of training: the test split of" in line and "evaluated" not in line for line in lines), lines
+    for limit in (0, 2):  # nothing evaluated (--eval_limit 0, or --eval_every 0): the line does not say it is
+        lines.clear()  # (probe rounds 7 and 8, 2026-12-02)
+        load_questions(RLArgs(dataset=str(own / "rows.jsonl"), eval_limit=limit, eval_every=0, **flags), lines.append)
+        assert any("held out of training: the test split of" in line and "evaluated" not in line for line in lines)
     (tmp_path / "q.jsonl").write_text('{"question": "a?", "answer": "1"}\n')
     with pytest.raises(UserError, match=rf"^--eval_dataset {tmp_path / 'q.jsonl'} has no column problem, gold"):
         load_questions(RLArgs(dataset=str(own / "rows.jsonl"), eval_dataset=str(tmp_path / "q.jsonl"), **flags))
@@ -786,6 +787,37 @@ def test_sft_train_file_leaves_out_prompts_that_ask_an_evaluation_question(tmp_p
     assert [e["response"] for e in examples] == [" 4"]
     assert any(line.startswith("[sft] 2 of 3 --train_file examples left out") for line in lines), lines
     assert len(sft.load_sft_examples(SFTArgs(train_file=str(tmp_path / "train.jsonl"), eval_limit=0), None, [])) == 3
+    short = [{"prompt": "Compute 10+13 please", "response": " 23"}, {"prompt": "What is 0+1?", "response": " 1"}]
+    kept = sft.without_asked(short, SFTArgs(train_file="t.jsonl"), [{"question": "0+1"}], log=lines.append)
+    assert kept == short[:1]  # a whole question only: "0+1" is not asked by "10+13" (round 8: it was)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs[:2]))
     with pytest.raises(UserError, match="every example of --train_file .* asks a test question of"):
         sft.load_sft_examples(args, None, sft.load_eval_rows(args), log=lines.append)
+
+
+def test_expert_iteration_counts_reward_failures_and_stops_on_a_broken_reward(own, tiny_model_dir, tmp_path, capsys):
+    """It finished with exit 0 and `fmt nan` when every call failed, and never counted failures (a probe round,
+    2026-12-02): the same checks as train_rl's (train_rl.check_reward)."""
+    from alignment import expert_iteration
+    from tests.test_expert_iteration import read_jsonl, tiny_args
+    (own / "ei_rewards.py").write_text(PARITY)
+    flags = dict(dataset=str(own / "rows.jsonl"), question_key="problem", answer_key="gold", n_ei_steps=1)
+    with pytest.raises(UserError, match="failed on every sample of the run's first step, e.g. TypeError"):
+        expert_iteration.main(tiny_args(tiny_model_dir, tmp_path / "broken",
+                                        reward_fn=f"{own / 'ei_rewards.py'}:always_fails", **flags))
+    expert_iteration.main(tiny_args(tiny_model_dir, tmp_path / "run", reward_fn=f"{own / 'ei_rewards.py'}:sometimes",
+                                    **flags))
+    [step] = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "correct_samples" in m]
+    out = capsys.readouterr().out
+    assert step["reward_failures"] > 0 and f"reward failures {step['reward_failures']:.0f}" in out
+    assert "[expert_iteration] step 1: a --reward_fn call failed (scored 0): ValueError: a third of the answers" in out
+
+
+def test_each_kind_of_reward_failure_is_told_once():
+    """Texts that differ only in their values used up the five lines (a probe round, 2026-12-02): a kind is the
+    text up to its first colon."""
+    reward = UserReward.__new__(UserReward)
+    reward.told, reward.errors = set(), ["ValueError: broken 12", "ValueError: broken 13", "TimeoutError: 5 s"]
+    assert reward.news() == ["ValueError: broken 12", "TimeoutError: 5 s"]
+    reward.errors += ["ValueError: broken 14", "KeyError: 'x'"]
+    assert reward.news() == ["KeyError: 'x'"] and reward.news() == []
