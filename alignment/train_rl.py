@@ -465,7 +465,9 @@ def _optimizer_step(args, m: Models, exp: Experience, rows: list[int], train: _M
 
     def split(some: list[int]) -> list[list[int]]:
         return exp.token_microbatches(some, budget) if budget else [some[i:i + size] for i in range(0, len(some), size)]
-    silent = set(silent_rows(args, exp, rows)) if learn and not sharded else set()  # (FSDP2: every rank runs backward)
+    # on CPU, where the train phase is FLOPs (on a GPU launches: a no-grad microbatch more would cost more than the
+    # backward it saves; FSDP2: every rank runs backward)
+    silent = set(silent_rows(args, exp, rows)) if learn and not sharded and device.type == "cpu" else set()
     loud = [i for i in rows if i not in silent]
     parts = distributed.evened(split(loud) + split([i for i in rows if i in silent]), sharded)
     # a prompt whose group spans microbatches runs once (FSDP: one whole-model call per microbatch instead)

@@ -49,6 +49,7 @@ def test_each_batch_is_sampled_by_the_weights_of_the_step_before(tiny_model_dir,
 
     monkeypatch.setattr(train_rl, "collect_rollouts", collect)
     monkeypatch.setattr(train_rl, "build_experience", build)
+    monkeypatch.setattr(train_rl, "silent_rows", lambda *a: [])  # one microbatch a step, its rows in order
     monkeypatch.setattr(train_rl, "compute_rollout_is_weights", weights)
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "run", n_steps=3, async_steps=1, train_mini_batch_size=8))
 

@@ -65,6 +65,7 @@ def count_an_optimizer_step(tokenizer, tmp_path, monkeypatch, layers: int) -> tu
             monkeypatch.setattr(torch.Tensor, "tolist", tolist)
             counts.append(mode)
     monkeypatch.setattr(train_rl, "_optimizer_step", counted)
+    monkeypatch.setattr(train_rl, "silent_rows", lambda *a: [])  # the GPU's path (silent rows are CPU-only)
     args = RLArgs(model=str(model_dir), n_steps=1, group_size=4, rollout_batch_size=8, train_batch_size=8,
                   train_mini_batch_size=4, sampling_max_tokens=6, sampling_min_tokens=6, eval_every=0, rg_size=40,
                   precision="fp32", output_dir=str(tmp_path / f"run{layers}"))
