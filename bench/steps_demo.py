@@ -133,8 +133,9 @@ def read_record(path: Path, valid) -> dict:
     except (OSError, ValueError):
         value = None
     if not isinstance(value, dict) or not all(map(valid, value.values())):
+        what = "which reports it wrote" if path.name in ("written.json", "card.json") else "which folders it made"
         sys.exit(f"{NAME} error: {path} is not the JSON record this driver writes (empty, cut short or edited): "
-                 f"restore it, or choose another --out (without it the driver cannot tell which folders it made).")
+                 f"restore it, or choose another --out (without it the driver cannot tell {what}).")
     return value
 
 

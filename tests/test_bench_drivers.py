@@ -138,6 +138,13 @@ def test_a_damaged_driver_record_is_one_line_naming_it(tmp_path, name, text):
     assert (out / name).read_text() == text and not (out / "eval-x").exists()
 
 
+def test_a_damaged_report_record_says_what_it_records(tmp_path):
+    """written.json records reports, not folders (a probe round, 2026-12-02: its message spoke of folders)."""
+    (tmp_path / "written.json").write_text("{")
+    with pytest.raises(SystemExit, match="cannot tell which reports it wrote"):
+        steps_demo.check_own(tmp_path / "samples.md")
+
+
 def test_the_driver_writes_its_records_whole(tmp_path):
     out = tmp_path / "demo"
     out.mkdir()
