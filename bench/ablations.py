@@ -30,7 +30,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from steps_demo import write_own
+from steps_demo import check_own, one_line, write_own
 
 from alignment import models
 from alignment.args import DEFAULT_RL_TASK
@@ -167,7 +167,7 @@ def write_outputs(rows: list[dict], out: Path, budget_text: str, seeds: list[int
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = one_line(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--quick", action="store_true", help="the smaller budget (4 steps of 16 responses)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
@@ -185,8 +185,14 @@ def main():
     if not models.is_model_folder(ROOT / "checkpoints" / "math_sft"):
         parser.error("checkpoints/math_sft does not exist: run `uv run -m alignment.sft` first")
     budget, budget_text = BUDGETS["quick" if args.quick else "full"]
+    if len(set(args.seeds)) < len(args.seeds):
+        parser.error(f"--seeds {' '.join(map(str, args.seeds))} names a seed twice")
     out = Path(args.out or ROOT / "outputs" / ("ablations-quick" if args.quick else "ablations"))
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out} is a file: give a folder")
     out.mkdir(parents=True, exist_ok=True)
+    for name in ("ablations.md", "ablations.png"):  # a user's report refused before the first run, not after
+        check_own(out / name)
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
     if args.jobs < 1:
         parser.error("--jobs must be 1 or more")

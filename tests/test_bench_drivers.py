@@ -517,3 +517,12 @@ def test_a_stage_run_alone_resumes_over_an_input_made_by_an_earlier_call(tmp_pat
                                                                 "rl-seed0": steps_demo.record(rl, known)})
     with pytest.raises(SystemExit, match="holds a rl-seed0 result made with other flags"):
         steps_demo.check_plan([rl], tmp_path, False)
+
+
+def test_ablations_says_a_bad_flag_in_one_line():
+    """It printed argparse's usage block above the error, where the other drivers print one line (a probe round,
+    2026-12-02)."""
+    done = subprocess.run([sys.executable, "bench/ablations.py", "--only", "nope"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 2 and "usage:" not in done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "[ablations] error: unknown variant" in done.stderr
