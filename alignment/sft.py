@@ -208,10 +208,8 @@ def without_asked(examples: list[dict], args: SFTArgs, eval_rows: list[dict], lo
     without --eval_dataset): nothing to hold out."""
     if not (eval_rows or args.eval_dataset):
         return examples
-    name = args.eval_dataset or "gsm8k"
-    asked = {data.twin(row["question"]) for row in eval_rows} | data.test_twins(
-        name, args.data_dir, question_key=args.question_key, answer_key=args.answer_key,
-        flag="--eval_dataset" if args.eval_dataset else "--dataset")
+    name = args.eval_dataset or args.dataset  # (with --train_file, --dataset stays gsm8k: load_eval_rows' default)
+    asked = held_out_twins(args, eval_rows)
     prompts = [data.twin(example["prompt"]) for example in examples]
     joined = "\0".join(prompts)
     found = [question for question in asked if question and question in joined]  # (one search each, not one a pair)
