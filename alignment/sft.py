@@ -213,8 +213,12 @@ def without_asked(examples: list[dict], args: SFTArgs, eval_rows: list[dict], lo
     prompts = [data.twin(example["prompt"]) for example in examples]
     joined = "\0".join(prompts)
     found = [question for question in asked if question and question in joined]  # (one search each, not one a pair)
-    # whole: "0+1" is not asked by "compute 10+13" (letters and digits on neither side)
-    whole = [re.compile(rf"(?<![^\W_]){re.escape(question)}(?![^\W_])") for question in found]
+    # whole: "0+1" is not asked by "compute 10+13" (no letter or digit beside an edge that is one); an edge that
+    # is punctuation ("...places?") ends the question whatever follows it ("...places?Think step by step")
+    def edge(char: str, guard: str) -> str:
+        return guard if re.match(r"[^\W_]", char) else ""
+    whole = [re.compile(edge(question[0], r"(?<![^\W_])") + re.escape(question) + edge(question[-1], r"(?![^\W_])"))
+             for question in found]
     kept = [example for example, prompt in zip(examples, prompts) if not any(w.search(prompt) for w in whole)]
     if len(kept) < len(examples):
         log(f"[sft] {len(examples) - len(kept)} of {len(examples)} --train_file examples left out: their prompt holds "

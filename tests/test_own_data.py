@@ -790,6 +790,12 @@ def test_sft_train_file_leaves_out_prompts_that_ask_an_evaluation_question(tmp_p
     short = [{"prompt": "Compute 10+13 please", "response": " 23"}, {"prompt": "What is 0+1?", "response": " 1"}]
     kept = sft.without_asked(short, SFTArgs(train_file="t.jsonl"), [{"question": "0+1"}], log=lines.append)
     assert kept == short[:1]  # a whole question only: "0+1" is not asked by "10+13" (round 8: it was)
+    # a question whose edge is punctuation is asked whatever touches that edge (round 9: a letter kept it in)
+    q = "What is 67 / 8, to 2 decimal places?"
+    glued = [{"prompt": "问题：" + q + "答案：", "response": " 8.38"}, {"prompt": q + "Think step by step.", "response": " 8"},
+             {"prompt": "So" + q.lower(), "response": " 8"}, {"prompt": "Whatever: " + q, "response": " 8"}]
+    kept = sft.without_asked(glued, SFTArgs(train_file="t.jsonl"), [{"question": q}], log=lines.append)
+    assert kept == glued[2:3]  # "Sowhat is ..." is another word; the rest ask the question
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs[:2]))
     with pytest.raises(UserError, match="every example of --train_file .* asks a test question of"):
         sft.load_sft_examples(args, None, sft.load_eval_rows(args), log=lines.append)
