@@ -191,11 +191,14 @@ def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: Sam
 
 
 def summary_line(summary: dict) -> str:
-    """`format 0.910 | answer 0.040 | reward 0.040`, a part no answer reported (a --reward_fn's) as absent."""
+    """`format 0.910 | answer 0.040 | reward 0.040`, a part no answer reported (a --reward_fn's) as absent, and the
+    --reward_fn calls that failed (`| reward failures 3/100`) where any did."""
     shown = {k: "absent" if summary[k] is None else f"{summary[k]:.3f}" for k in
              ("avg_format_rewards", "avg_answer_rewards", "avg_all_rewards")}
+    failures = summary.get("reward_failures")  # (scored 0: the means above count them as zeros)
     return (f"format {shown['avg_format_rewards']} | answer {shown['avg_answer_rewards']} | reward "
-            f"{shown['avg_all_rewards']}")
+            f"{shown['avg_all_rewards']}" + (f" | reward failures {failures}/{summary['count'] * summary['n_samples']}"
+                                             if failures else ""))
 
 
 def _pass_at_k(by_problem) -> float | None:

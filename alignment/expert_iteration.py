@@ -38,7 +38,7 @@ from alignment.run import Run
 from alignment.samplers import make_sampler, pick_backend
 from alignment.sampling import SamplingParams, WeightPush, derive_seed
 from alignment.sft import batch_indices, lr_factor, train_step
-from alignment.train_rl import check_reward, load_questions, make_scorer, start_model
+from alignment.train_rl import check_eval_reward, check_reward, load_questions, make_scorer, start_model
 
 RESUMABLE_CHANGES = {"n_ei_steps"}  # flags a resumed run may change, besides the run folder's own (run.py)
 
@@ -130,6 +130,7 @@ def main(args: EIArgs) -> dict:
                                   progress=True, score=score, prompt_file=args.prompt_file)
         run.log({"step": step, "generated_tokens": generated_tokens, **{f"eval_{k}": v for k, v in summary.items()}})
         run.say(f"eval  {step}/{args.n_ei_steps} | {eval_name} x{summary['count']} | {summary_line(summary)}")
+        check_eval_reward(args, run, score, summary, step, "expert_iteration")
 
     if args.eval_every and args.eval_before_train and run.start_step == 0:
         run_eval(0)

@@ -258,6 +258,25 @@ def _evaluate(args: RLArgs, run: Run, m: Models, source, push, eval_rows, eval_n
         run.log({"step": step, "generated_tokens": generated_tokens, **{f"eval_{k}": v for k, v in summary.items()}})
         run.say(f"eval  {step}/{args.n_steps} | {eval_name} x{summary['count']} | {summary_line(summary)}")
     distributed.barrier()
+    check_eval_reward(args, run, score, summary if run.main else None, step)
+
+
+def check_eval_reward(args, run: Run, score, summary: dict | None, step: int, script: str = "train_rl"):
+    """A --reward_fn on the evaluation's answers (graded on rank 0: `summary` there, None elsewhere): each failure
+    kind said once as the evaluation's, not the next step's; one line when it failed on every answer, as evaluate
+    stops (a reward of 0.000 would read like the model's) - on every rank, so none waits for the others."""
+    reward = getattr(score, "user_reward", None)
+    if reward is None:
+        return
+    failed_all = bool(summary and summary["count"] and
+                      summary.get("reward_failures") == summary["count"] * summary["n_samples"])
+    if distributed.global_sum(float(failed_all)):
+        then = "resume (--resume)" if step > 0 else "start again"
+        example = f", e.g. {reward.errors[-1]}" if reward.errors else ""
+        raise UserError(f"--reward_fn {args.reward_fn} failed on every answer of the evaluation at step {step} "
+                        f"({summary['count'] if summary else '?'} held-out questions){example}: fix it, then {then}.")
+    for error in reward.news():
+        run.say(f"[{script}] evaluation at step {step}: a --reward_fn call failed (scored 0): {error}")
 
 
 def check_reward(args, run: Run, score, batch, step: int, script: str = "train_rl"):

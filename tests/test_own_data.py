@@ -769,6 +769,35 @@ def test_a_built_in_sets_files_are_hashed_so_a_resume_on_another_data_folder_is_
     assert "accept_changed_data" not in RLArgs(dataset="gsm8k", resume="x").own_data_moot()
 
 
+def test_a_reward_failing_on_evaluation_answers_is_told_as_the_evaluations(own, tiny_model_dir, tmp_path, capsys):
+    """A --reward_fn that needs a column the --eval_dataset lacks scored held-out answers 0 with no word in the eval
+    line ("reward 0.000"), its failure told as "step 1"'s, and the run went on when every one failed (a probe round,
+    2026-12-02): the line counts them, the kind is the evaluation's, and failing on all stops, as evaluate does."""
+    from alignment import expert_iteration, train_rl
+    from tests import test_expert_iteration, test_train_rl
+    (own / "rl_rewards.py").write_text(PARITY)
+    (own / "some_topics.jsonl").write_text("".join(json.dumps({k: v for k, v in row.items() if k != "topic" or i % 2})
+                                                   + "\n" for i, row in enumerate(ROWS)))
+    some = dict(dataset=str(own / "rows.jsonl"), eval_dataset=str(own / "some_topics.jsonl"), question_key="problem",
+                answer_key="gold", eval_every=1, reward_fn=f"{own / 'rl_rewards.py'}:parity")
+    train_rl.main(test_train_rl.tiny_args(tiny_model_dir, tmp_path / "some", n_steps=1, **some))
+    evals = [m for m in test_train_rl.read_jsonl(tmp_path / "some" / "metrics.jsonl") if "eval_count" in m]
+    out = capsys.readouterr().out
+    assert len(evals) == 2 and all(0 < m["eval_reward_failures"] < m["eval_count"] for m in evals), evals
+    assert all(f"| reward failures {m['eval_reward_failures']}/{m['eval_count']}" in out for m in evals)
+    assert "[train_rl] evaluation at step 0: a --reward_fn call failed (scored 0): TypeError" in out
+    assert "step 1: a --reward_fn call failed" not in out  # step 1's own calls all succeeded
+    (own / "no_topic.jsonl").write_text("".join(json.dumps({k: v for k, v in row.items() if k != "topic"}) + "\n"
+                                                for row in ROWS))
+    flags = dict(dataset=str(own / "rows.jsonl"), eval_dataset=str(own / "no_topic.jsonl"), question_key="problem",
+                 answer_key="gold", eval_every=1, eval_limit=4, reward_fn=f"{own / 'rl_rewards.py'}:parity")
+    stop = "failed on every answer of the evaluation at step 0 \\(4 held-out questions\\), e.g. TypeError.*topic.*start again"
+    with pytest.raises(UserError, match=stop):
+        train_rl.main(test_train_rl.tiny_args(tiny_model_dir, tmp_path / "rl", n_steps=1, **flags))
+    with pytest.raises(UserError, match=stop):
+        expert_iteration.main(test_expert_iteration.tiny_args(tiny_model_dir, tmp_path / "ei", n_ei_steps=1, **flags))
+
+
 def test_sft_train_file_leaves_out_prompts_that_ask_an_evaluation_question(tmp_path):
     """--train_file trained on prompts holding the evaluation set's test questions, with no word (a probe round,
     2026-12-02): they are left out as the other paths leave theirs, counted in one line."""
