@@ -666,7 +666,10 @@ class RLArgs(OwnDataArgs, RunArgs, LoraArgs, SamplerArgs, RolloutArgs):
         if self.train_batch_size % self.group_size:
             raise ValueError("--train_batch_size must be a multiple of --group_size so groups are not split across optimizer steps.")
         if self.train_batch_size % self.train_mini_batch_size and not self.microbatch_tokens:
-            raise ValueError(f"--train_batch_size {self.train_batch_size} must be a multiple of --train_mini_batch_size {self.train_mini_batch_size}.")
+            default = {f.name: f.default for f in fields(self)}["train_mini_batch_size"]
+            raise ValueError(f"--train_batch_size {self.train_batch_size} must be a multiple of --train_mini_batch_size "
+                             f"{self.train_mini_batch_size}" + (" (its default): pass a --train_mini_batch_size that "
+                             "divides it." if self.train_mini_batch_size == default else "."))
         off_policy = self.epochs_per_rollout_batch > 1 or self.rollout_batch_size > self.train_batch_size
         if off_policy and self.loss_type not in ("grpo_clip", "grpo_no_clip", "gspo"):
             raise ValueError(f"{self.loss_type} has no importance ratio, so it must stay on-policy: use "

@@ -376,6 +376,17 @@ def test_a_seed_torch_cannot_take_is_refused_when_parsed(capsys):
         assert "--seed must be 0 or more" in err and f"not {seed}" in err
 
 
+def test_a_train_batch_the_default_mini_batch_does_not_divide_names_the_default(capsys):
+    """"--train_batch_size 4 must be a multiple of --train_mini_batch_size 8" named a flag never given (round 9)."""
+    with pytest.raises(SystemExit):
+        parse(RLArgs, ["--train_batch_size", "4", "--rollout_batch_size", "8", "--group_size", "4"])
+    assert "--train_mini_batch_size 8 (its default): pass a --train_mini_batch_size that divides it" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(RLArgs, ["--train_batch_size", "4", "--rollout_batch_size", "8", "--group_size", "4",
+                       "--train_mini_batch_size", "3"])
+    assert "--train_mini_batch_size 3." in capsys.readouterr().err
+
+
 def test_evaluate_refuses_a_training_runs_folder_and_one_another_evaluate_holds(tiny_model_dir, tmp_path, data_dir):
     run_dir = tmp_path / "rl"
     run_dir.mkdir()
