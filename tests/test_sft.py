@@ -282,3 +282,11 @@ def test_an_eval_file_with_its_own_columns_and_a_resume_after_the_train_file_cha
         with pytest.raises(SystemExit):
             parse(SFTArgs, argv)
         assert why in capsys.readouterr().err
+
+
+def test_the_start_line_says_an_epoch_leaves_its_partial_batch_out(tiny_model_dir, tmp_path, capsys):
+    """"7 examples x 1 epoch(s) = 1 steps of 4" left 3 out with no word (a probe round, 2026-12-02)."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"q{i} ", "response": f"a{i} </answer>"}) + "\n" for i in range(7)))
+    sft.main(tiny_args(tiny_model_dir, tmp_path / "sft", train_file=str(pairs), eval_limit=0, max_examples=0))
+    assert "7 examples x 1 epoch(s) = 1 steps of 4 (an epoch leaves out its last 3, a partial batch)" in capsys.readouterr().out
