@@ -292,7 +292,7 @@ def test_rl_on_ones_own_file_and_reward_counts_failures_and_guards_the_resume(ow
     with pytest.raises(UserError, match="failed on every sample of the run's first step, e.g. TypeError: the return value "
                                         "is null"):
         train_rl.main(tiny_args(tiny_model_dir, tmp_path / "broken", reward_fn=f"{own / 'rl_rewards.py'}:always_fails",
-                                **flags))
+                                **{**flags, "eval_every": 0}))  # (with evaluations: the one before step 1 stops it)
     train_rl.main(tiny_args(tiny_model_dir, tmp_path / "columns", n_steps=1,
                             reward_fn=f"{own / 'rl_rewards.py'}:parity", **flags))  # asserts inside the reward
     assert [m["reward_failures"] for m in read_jsonl(tmp_path / "columns" / "metrics.jsonl") if "loss" in m] == [0]
