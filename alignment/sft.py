@@ -385,8 +385,9 @@ def _say_plan(args: SFTArgs, run: Run, model, roles: dict, n_examples: int, tota
               accumulation: int):
     """The start line: examples, steps, batch split, lr, adapters, devices, precision, the step it starts at."""
     left = n_examples % args.batch_size  # each epoch's fresh shuffle leaves a different few out
+    partial = f" (an epoch leaves out its last {left}, a partial batch)" if left else ""
     run.say(f"[sft] {run.weights}: {n_examples} examples x {args.epochs} epoch(s) = {total_steps} steps of "
-            f"{args.batch_size}{f' (an epoch leaves out its last {left}, a partial batch)' if left else ''} ({distributed.world_size()} process(es) x {accumulation} microbatches of "
+            f"{args.batch_size}{partial} ({distributed.world_size()} process(es) x {accumulation} microbatches of "
             f"{args.microbatch_size}), lr {args.lr:g}, warmup {warmup_steps}, {lora.describe(model, args)}, policy on "
             f"{', '.join(roles['policy'])}, precision "
             f"{models.resolve_precision(args.precision, roles['policy'][0])} ({args.precision}), starting at step "
