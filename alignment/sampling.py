@@ -40,6 +40,13 @@ from alignment import distributed, lora, models
 from alignment.seeds import derive_seed
 
 
+# vLLM-CPU's KV block (its default: 128). The prefix cache reuses whole blocks only, so with 128 a GSM8K prompt
+# (~110-160 tokens) shared by a group, and a TIR trace's context when its next round starts, were prefilled again
+# almost whole; 32 is the smallest block the CPU attention takes: a TIR step's rollout 1.4x as fast
+# (bench/tir_serve.py, docs/results.md "GSM8K card").
+CPU_BLOCK_SIZE = 32
+
+
 @dataclass
 class SamplingParams:
     n: int = 1  # completions per prompt
@@ -245,13 +252,16 @@ class VLLMSampler:
     give the n children of a request seeds base + k, shared by every prompt of the batch), and vLLM's
     prefix cache lets the n copies of a prompt share its prefill.
 
+    On the CPU the KV block is CPU_BLOCK_SIZE tokens unless `block_size` says otherwise (on a GPU: vLLM's own).
+
     Under torchrun each rank runs its own engine on its own device ("external_launcher": the engine joins
     the process group torchrun started, as a tensor-parallel group of one, instead of starting its own).
     """
 
     def __init__(self, model_path: str, device: str = "cuda", gpu_memory_utilization: float = 0.85,
                  kv_cache_gib: int | None = None, max_model_len: int | None = None, seed: int = 0,
-                 precision: str | None = None, enforce_eager: bool = False, progress: bool = False):
+                 precision: str | None = None, enforce_eager: bool = False, progress: bool = False,
+                 block_size: int | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         on_gpu = torch.device(device).type == "cuda"
         if not on_gpu:  # read when the engine starts; unset, vLLM 0.32 takes most of the free memory
@@ -266,6 +276,8 @@ class VLLMSampler:
         options = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {"enable_chunked_prefill": False}
         if distributed.launched():
             options["distributed_executor_backend"] = "external_launcher"
+        if block_size or not on_gpu:
+            options["block_size"] = block_size or CPU_BLOCK_SIZE
         # one default with every model that is only run (models.default_dtype): the scripts pass their
         # --precision; a library call without one gets bf16 on a GPU and fp32 on every CPU
         self.dtype = models.default_dtype(device, precision)

@@ -47,6 +47,8 @@ def main():
     parser.add_argument("--max_tool_calls", type=int, default=MAX_TOOL_CALLS)
     parser.add_argument("--kv_cache_gib", type=int, default=4)
     parser.add_argument("--data_dir", default=None)
+    parser.add_argument("--block_size", type=int, default=None, help="vLLM's KV block (default: "
+                        "alignment.sampling.CPU_BLOCK_SIZE; vLLM-CPU's own is 128)")
     args = parser.parse_args()
     tokenizer = models.load_tokenizer(args.model)
     rows = data.load_gsm8k("test", args.data_dir)[:args.questions * (args.batches + 1)]
@@ -54,8 +56,10 @@ def main():
     print(f"CPU flags: {cpu_flags()}; matmul fp32 {matmul_peak(torch.float32) / 1e9:.0f} GFLOP/s, "
           f"bf16 {matmul_peak(torch.bfloat16) / 1e9:.0f} GFLOP/s; {torch.get_num_threads()} threads", flush=True)
     engine = VLLMSampler(str(models.resolve_model(args.model)), "cpu", kv_cache_gib=args.kv_cache_gib,
-                         max_model_len=2048, precision="auto")  # as train_rl's engine: bf16 where the CPU has it
-    print(f"engine dtype {engine.dtype}", flush=True)
+                         max_model_len=2048, precision="auto",
+                         block_size=args.block_size)  # as train_rl's engine: bf16 where the CPU has it
+    print(f"engine dtype {engine.dtype}, KV block {engine.llm.llm_engine.vllm_config.cache_config.block_size}",
+          flush=True)
     loops = {"rounds": types.SimpleNamespace(generate=engine.generate), "served": engine}
     one_batch(engine, tokenizer, prompt_ids[:args.questions], args, seed=0)  # warm-up, not timed
     seconds, same = {"rounds": [], "served": []}, []
