@@ -312,6 +312,9 @@ def run_stage(stage: Stage, out: Path) -> float | None:
         status, signum = run_command(command, log)
     if status == 2 and not signum:  # the script refused (a user error) and wrote nothing of this command: the
         write_record(out / STAGES_FILE, known)  # folder's record stays the old one
+    else:  # a resumed stage adds its parts, a stopped one's included (its checkpoint is what resumes)
+        seconds[stage.name] = seconds.get(stage.name, 0.0) + time.perf_counter() - began
+        write_record(times_path, seconds)
     if signum or status in (130, 143):
         why = f"{signal.Signals(signum).name}, passed on to" if signum else "a signal to"
         ended = f"did not end within {STOP_WAIT_SECONDS} s and was killed" if signum and status == -signal.SIGKILL \
@@ -322,8 +325,6 @@ def run_stage(stage: Stage, out: Path) -> float | None:
     if status:
         sys.exit(f"{NAME} error: the {stage.name} stage failed (exit status {status}): "
                  f"{stage_error(log_path, start)} (its output: {log_path})")
-    seconds[stage.name] = seconds.get(stage.name, 0.0) + time.perf_counter() - began  # a resumed stage adds its parts
-    write_record(times_path, seconds)
     return seconds[stage.name]
 
 

@@ -104,6 +104,7 @@ steps_demo.run_stage(steps_demo.Stage(*{tuple(stage)!r}), Path({str(out)!r}))
         assert f"stopped by SIGTERM, passed on to the rl-seed0 stage, {ended}" in stderr, stderr
         assert "run the same command again to continue" in stderr and "Traceback" not in stderr
         assert (out / "stopped").exists() == (handler == STOPS)
+        assert steps_demo.times(out)["rl-seed0"] > 0  # a stopped stage's time counts (its resumption adds to it)
         with pytest.raises(ProcessLookupError):
             os.kill(child, 0)  # no orphan: the driver waited for it (and reaped it)
     finally:
@@ -169,7 +170,8 @@ def test_a_failed_stage_says_its_own_error_line_and_its_log(tmp_path):
     refused = fake_stage(out, "eval-y", "sys.stderr.write('error: no such dataset\\n'); sys.exit(2)")
     with pytest.raises(SystemExit, match=r"eval-y stage failed \(exit status 2\): no such dataset \(its output"):
         steps_demo.run_stage(refused, out)
-    assert set(steps_demo.records(out)) == {"eval-x"}  # a refused stage (status 2) leaves no record of its command
+    assert set(steps_demo.records(out)) == set(steps_demo.times(out)) == {"eval-x"}  # a refused stage (status 2)
+    # leaves no record of its command, nor a time; a failed one keeps its time
     crashed = fake_stage(out, "eval-z", "raise RuntimeError('a bug')")
     with pytest.raises(SystemExit, match="eval-z stage failed \\(exit status 1\\): RuntimeError: a bug"):
         steps_demo.run_stage(crashed, out)
