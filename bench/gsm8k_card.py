@@ -238,8 +238,9 @@ def write_card(args, out: Path, seconds: dict):
     sampled_n = sorted({e["count"] for name, e in counts.items() if e and name.startswith(f"pass{K}-")})
 
     def problems(ns: list[int]) -> str:  # what the runs held, not what this call's flags say
-        return "not run yet" if not ns else " / ".join("all 1,319" if n == 1319 else f"the first {n}" for n in ns)
-    lines = [f"GSM8K test, greedy, {problems(greedy_n)} problems: answer rate [95% Wilson interval], format rate; "
+        return "(none run yet)" if not ns else " / ".join("all 1,319" if n == 1319 else f"the first {n}" for n in ns) \
+            + " problems"
+    lines = [f"GSM8K test, greedy on {problems(greedy_n)}: answer rate [95% Wilson interval], format rate; "
              f"pass@{K} and maj@{K} at temperature {TEMPERATURE} on {problems(sampled_n)}; start model {args.model}. "
              "Tool arm: calls per answer, execution errors, share of code-using answers whose box is none of the "
              "printed numbers. Wall: the stage's own time (its evaluations apart).", "",

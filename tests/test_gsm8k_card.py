@@ -103,6 +103,7 @@ def test_the_card_of_nothing_run_yet_is_dashes_and_nanochats_rows(tmp_path):
     gsm8k_card.write_card(args, args.out, {})
     card = (args.out / "gsm8k_card.md").read_text()
     assert "| sft-text | text | - |" in card and "0.0758" in card and "0.0455" in card
+    assert card.startswith("GSM8K test, greedy on (none run yet): ") and "temperature 1.0 on (none run yet); " in card
 
 
 @pytest.mark.slow
@@ -154,7 +155,7 @@ def test_the_cards_header_says_what_the_runs_held(tmp_path):
     (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     gsm8k_card.write_card(args, args.out, {})
     card = (args.out / "gsm8k_card.md").read_text()
-    assert "greedy, the first 2 problems" in card and "all 1,319" not in card and "0.5000 [0.0945, 0.9055]" in card
+    assert "greedy on the first 2 problems: " in card and "all 1,319" not in card and "0.5000 [0.0945, 0.9055]" in card
 
 
 def test_card_alone_on_a_missing_folder_and_moot_flags_are_one_line(tmp_path):
