@@ -261,7 +261,7 @@ class VLLMSampler:
     def __init__(self, model_path: str, device: str = "cuda", gpu_memory_utilization: float = 0.85,
                  kv_cache_gib: int | None = None, max_model_len: int | None = None, seed: int = 0,
                  precision: str | None = None, enforce_eager: bool = False, progress: bool = False,
-                 block_size: int | None = None):
+                 block_size: int | None = None, log_stats: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         on_gpu = torch.device(device).type == "cuda"
         if not on_gpu:  # read when the engine starts; unset, vLLM 0.32 takes most of the free memory
@@ -284,7 +284,17 @@ class VLLMSampler:
         dtype = "bfloat16" if self.dtype == torch.bfloat16 else "float32"
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
-                       logprobs_mode="processed_logprobs", **options)
+                       logprobs_mode="processed_logprobs", disable_log_stats=not log_stats, **options)
+
+    def token_counts(self) -> dict[str, int]:
+        """The engine's running totals (needs `log_stats`; vLLM then also logs its rates every few seconds):
+        prompt tokens submitted, those of them its prefix cache held (not computed again), and tokens sampled.
+        A TIR trace submits its whole context again at each round, and the cache holds whole KV blocks only."""
+        if self.llm.llm_engine.log_stats is False:
+            raise RuntimeError("token_counts needs VLLMSampler(..., log_stats=True)")
+        metrics = {metric.name: getattr(metric, "value", None) for metric in self.llm.get_metrics()}
+        return {"prompt": int(metrics["vllm:prompt_tokens"]), "cached": int(metrics["vllm:prompt_tokens_cached"]),
+                "sampled": int(metrics["vllm:generation_tokens"])}
 
     def load_weights(self, weights):
         """Copy new policy weights, (name, tensor) pairs (or a state dict), into the running engine

@@ -8,11 +8,14 @@ as its code has run. Each batch is an RL step's rollout of the GSM8K card (--que
 --group samples, temperature 1, the tir prompt, --max_tokens, --max_tool_calls): the two loops draw the same
 seeds, so they sample the same traces (up to a rare token vLLM-CPU's kernels flip in batches of other shapes)
 and the ratio of their seconds is the scheduling's alone. Batches alternate the order of the two loops.
-Prints the CPU's flags and matmul rates beside the numbers.
+Prints the CPU's flags and matmul rates beside the numbers, and vLLM's own token counts of each loop: prompt
+tokens submitted, those its prefix cache held, tokens sampled (each round submits a trace's whole context again;
+the cache holds whole KV blocks only, so a round computes its forced output and the tail of its last block again).
 """
 
 import argparse
 import statistics
+from collections import Counter
 import sys
 import time
 import types
@@ -47,6 +50,8 @@ def main():
     parser.add_argument("--max_tool_calls", type=int, default=MAX_TOOL_CALLS)
     parser.add_argument("--kv_cache_gib", type=int, default=4)
     parser.add_argument("--data_dir", default=None)
+    parser.add_argument("--loops", nargs="+", choices=("rounds", "served"), default=["rounds", "served"],
+                        help="the loops to time (one alone: its token counts on larger batches)")
     parser.add_argument("--block_size", type=int, default=None, help="vLLM's KV block (default: "
                         "alignment.sampling.CPU_BLOCK_SIZE; vLLM-CPU's own is 128)")
     args = parser.parse_args()
@@ -57,30 +62,42 @@ def main():
           f"bf16 {matmul_peak(torch.bfloat16) / 1e9:.0f} GFLOP/s; {torch.get_num_threads()} threads", flush=True)
     engine = VLLMSampler(str(models.resolve_model(args.model)), "cpu", kv_cache_gib=args.kv_cache_gib,
                          max_model_len=2048, precision="auto",
-                         block_size=args.block_size)  # as train_rl's engine: bf16 where the CPU has it
+                         block_size=args.block_size, log_stats=True)  # as train_rl's engine: bf16 where the CPU has it
     print(f"engine dtype {engine.dtype}, KV block {engine.llm.llm_engine.vllm_config.cache_config.block_size}",
           flush=True)
     loops = {"rounds": types.SimpleNamespace(generate=engine.generate), "served": engine}
-    one_batch(engine, tokenizer, prompt_ids[:args.questions], args, seed=0)  # warm-up, not timed
-    seconds, same = {"rounds": [], "served": []}, []
+    loops = {name: loops[name] for name in args.loops}
+    one_batch(engine, tokenizer, prompt_ids[:1], args, seed=0)  # warm-up (one problem's group), not timed
+    seconds, same = {name: [] for name in loops}, []
+    work = {name: Counter() for name in loops}  # the engine's token counts, summed over the batches
     for b in range(1, args.batches + 1):
         prompts = prompt_ids[b * args.questions:(b + 1) * args.questions]
-        order = ["rounds", "served"] if b % 2 else ["served", "rounds"]
+        order = list(loops) if b % 2 else list(loops)[::-1]
         got = {}
         for name in order:
+            before = engine.token_counts()
             s, got[name] = one_batch(loops[name], tokenizer, prompts, args, seed=b)
             seconds[name].append(s)
-        rows_r, rows_s = got["rounds"], got["served"]
-        same.append(sum(a.response_ids == c.response_ids for a, c in zip(rows_r, rows_s)) / len(rows_r))
-        sampled = sum(sum(r.loss_mask) for r in rows_s)
-        calls = [r.stats["tool_calls"] for r in rows_s]
-        print(f"batch {b} ({len(prompts)} x {args.group}): rounds {seconds['rounds'][-1]:.1f} s, served "
-              f"{seconds['served'][-1]:.1f} s ({seconds['rounds'][-1] / seconds['served'][-1]:.2f}x); "
-              f"{sampled} sampled tokens, {statistics.mean(calls):.2f} calls a trace (at most {max(calls)}), "
-              f"{same[-1]:.0%} of traces identical", flush=True)
+            work[name].update({key: value - before[key] for key, value in engine.token_counts().items()})
+        rows = got[order[-1]]
+        sampled = sum(sum(r.loss_mask) for r in rows)
+        calls = [r.stats["tool_calls"] for r in rows]
+        timing = ", ".join(f"{name} {seconds[name][-1]:.1f} s" for name in loops)
+        if len(loops) == 2:
+            same.append(sum(a.response_ids == c.response_ids for a, c in zip(got["rounds"], got["served"])) / len(rows))
+            timing += f" ({seconds['rounds'][-1] / seconds['served'][-1]:.2f}x), {same[-1]:.0%} of traces identical"
+        print(f"batch {b} ({len(prompts)} x {args.group}): {timing}; {sampled} sampled tokens, "
+              f"{statistics.mean(calls):.2f} calls a trace (at most {max(calls)})", flush=True)
     total = {name: sum(values) for name, values in seconds.items()}
-    print(f"all {args.batches} batches: rounds {total['rounds']:.1f} s, served {total['served']:.1f} s: served is "
-          f"{total['rounds'] / total['served']:.2f}x as fast; traces identical {statistics.mean(same):.0%}")
+    if len(loops) == 2:
+        print(f"all {args.batches} batches: rounds {total['rounds']:.1f} s, served {total['served']:.1f} s: served is "
+              f"{total['rounds'] / total['served']:.2f}x as fast; traces identical {statistics.mean(same):.0%}")
+    for name, count in work.items():  # what the model ran: the prompt tokens its cache did not hold, and the samples
+        computed = count["prompt"] - count["cached"]
+        print(f"{name}: {count['prompt']:,} prompt tokens submitted, {count['cached']:,} held by the prefix cache, "
+              f"{computed:,} computed; {count['sampled']:,} sampled ({computed / count['sampled']:.2f} computed prompt "
+              f"tokens a sampled one); {(computed + count['sampled']) / total[name]:.0f} tokens through the model a "
+              f"second")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ QUESTIONS = ["What is 2 + 3?", "Name the capital of France.", "Write a haiku abo
 @pytest.fixture(scope="module")
 def engine(smollm2_dir):
     from alignment.sampling import VLLMSampler
-    sampler = VLLMSampler(smollm2_dir, "cpu", **ENGINE)
+    sampler = VLLMSampler(smollm2_dir, "cpu", **ENGINE, log_stats=True)
     yield sampler
     del sampler
     gc.collect()
@@ -132,6 +132,18 @@ def test_serve_draws_what_generate_draws_and_chains_requests(engine, chat_prompt
         [[again]] = engine.generate([chat_prompts[g] + first.token_ids], dataclasses.replace(params, seed=6),
                                     keys=[("next", g, k)])
         assert second.token_ids == again.token_ids
+
+
+def test_token_counts_count_what_the_prefix_cache_held(engine, chat_prompts):
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    prompt = chat_prompts[4] + chat_prompts[5]  # several whole KV blocks
+    counts = []
+    for _ in range(2):
+        before = engine.token_counts()
+        greedy(engine, [prompt], max_tokens=4, min_tokens=4)
+        counts.append({key: value - before[key] for key, value in engine.token_counts().items()})
+    assert [c["prompt"] for c in counts] == [len(prompt)] * 2 and [c["sampled"] for c in counts] == [4, 4]
+    assert counts[1]["cached"] == (len(prompt) - 1) // block * block  # whole blocks, never the last prompt token
 
 
 def test_serve_leaves_nothing_in_the_engine_when_follow_fails(engine, chat_prompts):
