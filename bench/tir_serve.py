@@ -15,10 +15,10 @@ the cache holds whole KV blocks only, so a round computes its forced output and 
 
 import argparse
 import statistics
-from collections import Counter
 import sys
 import time
 import types
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -57,6 +57,10 @@ def main():
     args = parser.parse_args()
     tokenizer = models.load_tokenizer(args.model)
     rows = data.load_gsm8k("test", args.data_dir)[:args.questions * (args.batches + 1)]
+    needed = args.questions * (args.batches + 1)  # batch b takes problems b * questions to (b + 1) * questions
+    if len(rows) < needed:
+        parser.error(f"--questions {args.questions} x (--batches {args.batches} + 1) needs {needed} GSM8K test "
+                     f"problems; it has {len(rows)}: lower one of them.")
     _, prompt_ids = evaluate.build_prompts(tokenizer, rows, "tir")
     print(f"CPU flags: {cpu_flags()}; matmul fp32 {matmul_peak(torch.float32) / 1e9:.0f} GFLOP/s, "
           f"bf16 {matmul_peak(torch.bfloat16) / 1e9:.0f} GFLOP/s; {torch.get_num_threads()} threads", flush=True)
