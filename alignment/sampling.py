@@ -290,7 +290,7 @@ class VLLMSampler:
         """The engine's running totals (needs `log_stats`; vLLM then also logs its rates every few seconds):
         prompt tokens submitted, those of them its prefix cache held (not computed again), and tokens sampled.
         A TIR trace submits its whole context again at each round, and the cache holds whole KV blocks only."""
-        if self.llm.llm_engine.log_stats is False:
+        if not self.llm.llm_engine.log_stats:
             raise RuntimeError("token_counts needs VLLMSampler(..., log_stats=True)")
         metrics = {metric.name: getattr(metric, "value", None) for metric in self.llm.get_metrics()}
         return {"prompt": int(metrics["vllm:prompt_tokens"]), "cached": int(metrics["vllm:prompt_tokens_cached"]),
