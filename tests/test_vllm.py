@@ -109,22 +109,28 @@ def test_a_batch_larger_than_one_step_with_seeds(engine, chat_prompts):
     assert len(out) == 16 and all(len(c) == 4 for c in out)
 
 
-def test_serve_draws_what_generate_draws_and_chains_requests(engine, chat_prompts):
+@pytest.mark.parametrize("in_flight", [None, 2])
+def test_serve_draws_what_generate_draws_and_chains_requests(engine, chat_prompts, in_flight):
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=5, logprobs=True)
     drawn = engine.generate(chat_prompts[:3], dataclasses.replace(params, n=2))
-    turns, pool = {}, ThreadPoolExecutor(1)
+    turns, pool, at_tools, held = {}, ThreadPoolExecutor(1), set(), []
 
     def follow(tag, event):  # tag (g, k): turn 0, then turn 1 on what it wrote (prompt 0: after a 50 ms "tool")
+        at_tools.discard(tag)
+        held.append(engine.llm.llm_engine.get_num_unfinished_requests() + len(at_tools) + 1)  # + this tag
         if isinstance(event, Completion):
             turns.setdefault(tag, []).append(event)
             if len(turns[tag]) == 2:
                 return None
             if tag[0] == 0:
+                at_tools.add(tag)
                 return pool.submit(time.sleep, 0.05)
         g, k = tag
         return Request(chat_prompts[g] + turns[tag][0].token_ids, dataclasses.replace(params, seed=6), ("next", g, k))
 
-    engine.serve({(g, k): Request(chat_prompts[g], params, g, k) for g in range(3) for k in range(2)}, follow)
+    engine.serve({(g, k): Request(chat_prompts[g], params, g, k) for g in range(3) for k in range(2)}, follow,
+                 in_flight)
+    assert max(held) == (in_flight or 6)  # a cap holds the rest back; without one, the room holds all six
     assert [[turns[(g, k)][0].token_ids for k in range(2)] for g in range(3)] == \
         [[c.token_ids for c in group] for group in drawn]  # each request draws generate's stream for it
     assert all(len(c.logprobs) == len(c.token_ids) for pair in turns.values() for c in pair)
@@ -132,6 +138,13 @@ def test_serve_draws_what_generate_draws_and_chains_requests(engine, chat_prompt
         [[again]] = engine.generate([chat_prompts[g] + first.token_ids], dataclasses.replace(params, seed=6),
                                     keys=[("next", g, k)])
         assert second.token_ids == again.token_ids
+
+
+def test_room_is_what_the_kv_cache_holds_at_most_max_num_seqs(engine):
+    config = engine.llm.llm_engine.vllm_config
+    tokens = config.cache_config.kv_cache_size_tokens
+    assert engine.room(1) == config.scheduler_config.max_num_seqs
+    assert engine.room(tokens // 3) == 3 and engine.room(10 * tokens) == 1
 
 
 def test_token_counts_count_what_the_prefix_cache_held(engine, chat_prompts):
