@@ -169,11 +169,16 @@ def convert_packaged_model(name: str) -> Path:
     config.name_or_path = name
     model = LlamaForCausalLM(config)
     model.load_state_dict(gguf_model.state_dict())
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")  # its own: another process may convert at once
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out_dir)
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:  # another process's copy landed first (a non-empty folder cannot be replaced): keep that one
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out_dir / "config.json").exists():
+            raise
     return out_dir
 
 

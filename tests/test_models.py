@@ -4,6 +4,20 @@ import torch
 from alignment import models
 
 
+def test_two_processes_converting_at_once_keep_the_copy_that_landed_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "CHECKPOINTS", tmp_path)
+    save = models.LlamaForCausalLM.save_pretrained
+
+    def landed_meanwhile(self, folder, **kwargs):  # the other process's copy lands while this one saves
+        (tmp_path / "smollm2-135m").mkdir()
+        (tmp_path / "smollm2-135m" / "config.json").write_text("{}")
+        return save(self, folder, **kwargs)
+
+    monkeypatch.setattr(models.LlamaForCausalLM, "save_pretrained", landed_meanwhile)
+    assert models.convert_packaged_model("smollm2-135m") == tmp_path / "smollm2-135m"
+    assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m"]  # its own copy removed, the other's kept
+    assert (tmp_path / "smollm2-135m" / "config.json").read_text() == "{}"
+
 def test_packaged_model_converts_once_and_generates(smollm2_dir, tokenizer):
     assert models.resolve_model("smollm2-135m") == smollm2_dir  # cached: second call reuses the folder
     assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
