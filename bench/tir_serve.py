@@ -52,9 +52,13 @@ def main():
     parser.add_argument("--data_dir", default=None)
     parser.add_argument("--loops", nargs="+", choices=("rounds", "served"), default=["rounds", "served"],
                         help="the loops to time (one alone: its token counts on larger batches)")
+    parser.add_argument("--in_flight", default="room", help="served: traces in the engine or at their tools at "
+                        "once: 'room' (VLLMSampler.room, serve's default), 'all' (every trace at once) or a number")
     parser.add_argument("--block_size", type=int, default=None, help="vLLM's KV block (default: "
                         "alignment.sampling.CPU_BLOCK_SIZE; vLLM-CPU's own is 128)")
     args = parser.parse_args()
+    if args.in_flight not in ("room", "all") and not (args.in_flight.isdigit() and int(args.in_flight) > 0):
+        parser.error(f"--in_flight {args.in_flight!r}: give 'room', 'all' or a positive number of traces.")
     tokenizer = models.load_tokenizer(args.model)
     rows = data.load_gsm8k("test", args.data_dir)[:args.questions * (args.batches + 1)]
     needed = args.questions * (args.batches + 1)  # batch b takes problems b * questions to (b + 1) * questions
@@ -69,7 +73,15 @@ def main():
                          block_size=args.block_size, log_stats=True)  # as train_rl's engine: bf16 where the CPU has it
     print(f"engine dtype {engine.dtype}, KV block {engine.llm.llm_engine.vllm_config.cache_config.block_size}",
           flush=True)
-    loops = {"rounds": types.SimpleNamespace(generate=engine.generate), "served": engine}
+    in_flight = {"room": None, "all": len(prompt_ids) * args.group}.get(args.in_flight, None)
+    if args.in_flight.isdigit():
+        in_flight = int(args.in_flight)
+    served = types.SimpleNamespace(generate=engine.generate,
+                                   serve=lambda requests, follow: engine.serve(requests, follow, in_flight))
+    if "served" in args.loops:  # room() as serve reckons it, from the first trace's prompt
+        print(f"served: at most {in_flight or engine.room(len(prompt_ids[0]) + args.max_tokens)} traces at once "
+              f"(--in_flight {args.in_flight})", flush=True)
+    loops = {"rounds": types.SimpleNamespace(generate=engine.generate), "served": served}
     loops = {name: loops[name] for name in args.loops}
     one_batch(engine, tokenizer, prompt_ids[:1], args, seed=0)  # warm-up (one problem's group), not timed
     seconds, same = {name: [] for name in loops}, []
