@@ -73,7 +73,7 @@ def main():
                          block_size=args.block_size, log_stats=True)  # as train_rl's engine: bf16 where the CPU has it
     print(f"engine dtype {engine.dtype}, KV block {engine.llm.llm_engine.vllm_config.cache_config.block_size}",
           flush=True)
-    in_flight = {"room": None, "all": len(prompt_ids) * args.group}.get(args.in_flight, None)
+    in_flight = {"room": None, "all": args.questions * args.group}.get(args.in_flight, None)  # a batch's traces
     if args.in_flight.isdigit():
         in_flight = int(args.in_flight)
     served = types.SimpleNamespace(generate=engine.generate,
