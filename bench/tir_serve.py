@@ -11,6 +11,9 @@ and the ratio of their seconds is the scheduling's alone. Batches alternate the 
 Prints the CPU's flags and matmul rates beside the numbers, and vLLM's own token counts of each loop: prompt
 tokens submitted, those its prefix cache held, tokens sampled (each round submits a trace's whole context again;
 the cache holds whole KV blocks only, so a round computes its forced output and the tail of its last block again).
+Served admits at most --in_flight traces at once (in the engine or at their tools): serve's default, room (what
+the engine runs at once with each trace's whole KV held), or all of a batch, whose returning traces queue behind
+fresh ones and lose their cached contexts when the KV cache is short (docs/results.md, 2026-12-04).
 """
 
 import argparse
@@ -29,6 +32,7 @@ from alignment.args import RolloutArgs  # noqa: E402
 from alignment.calculator import MAX_TOOL_CALLS  # noqa: E402
 from alignment.sampling import SamplingParams, VLLMSampler  # noqa: E402
 from bench.rl_step import matmul_peak  # noqa: E402
+from bench.steps_demo import one_line  # noqa: E402
 from bench.train_phase import cpu_flags  # noqa: E402
 
 
@@ -41,7 +45,8 @@ def one_batch(sampler, tokenizer, prompt_ids, args, seed: int) -> tuple[float, l
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = one_line(argparse.ArgumentParser(description=__doc__,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--model", default="outputs/gsm8k_card/sft-tool", help="a model that writes tool calls")
     parser.add_argument("--questions", type=int, default=4, help="GSM8K test problems a batch")
     parser.add_argument("--group", type=int, default=16, help="samples of each problem")
@@ -53,7 +58,8 @@ def main():
     parser.add_argument("--loops", nargs="+", choices=("rounds", "served"), default=["rounds", "served"],
                         help="the loops to time (one alone: its token counts on larger batches)")
     parser.add_argument("--in_flight", default="room", help="served: traces in the engine or at their tools at "
-                        "once: 'room' (VLLMSampler.room, serve's default), 'all' (every trace at once) or a number")
+                        "once: 'room' (VLLMSampler.room, serve's default), 'all' (a batch's every trace at once) or "
+                        "a number")
     parser.add_argument("--block_size", type=int, default=None, help="vLLM's KV block (default: "
                         "alignment.sampling.CPU_BLOCK_SIZE; vLLM-CPU's own is 128)")
     args = parser.parse_args()

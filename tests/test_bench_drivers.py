@@ -528,3 +528,12 @@ def test_ablations_says_a_bad_flag_in_one_line():
                           cwd=ROOT, timeout=300)
     assert done.returncode == 2 and "usage:" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "[ablations] error: unknown variant" in done.stderr
+
+
+def test_tir_serve_refuses_a_bad_in_flight_in_one_line_before_anything_loads():
+    """--in_flight takes room, all or a positive number; 0 would admit no trace and serve nothing."""
+    done = subprocess.run([sys.executable, "bench/tir_serve.py", "--in_flight", "0", "--model", "/nonexistent"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 2 and "usage:" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == ["[tir_serve] error: --in_flight '0': give 'room', 'all' or a positive "
+                                                "number of traces. (see --help)"], done.stderr
