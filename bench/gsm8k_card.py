@@ -27,7 +27,9 @@ import math
 import os
 import re
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from steps_demo import (NAME, ROOT, STAGES_FILE, Stage, check_flags, joined, one_line, positive, read_record,
@@ -230,8 +232,50 @@ def cell(value, digits: int = 3) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
+def rl_line(name: str, rl: dict) -> str:
+    return (f"- {name}: {rl['steps']} steps, reward {rl['reward']:.3f}, groups with signal "
+            f"{cell(rl['groups_with_signal'], 2)}, sample {rl['sample_s'] / rl['step_s']:.0%} / train "
+            f"{rl['train_s'] / rl['step_s']:.0%}, {rl['tokens'] / max(rl['sample_s'], 1e-9):.0f} tok/s")
+
+
+def machine() -> tuple[str, str]:
+    """This checkout's commit and the CPU's bf16 flags, which decide a run's numerics and pace."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    return (done.stdout.strip() or "unknown",
+            " ".join(f for f in ("avx2", "avx512_bf16", "amx_bf16") if f in flags) or "unknown")
+
+
+def keep_rows(keep: Path, made: dict) -> list[dict]:
+    """Rows that outlive this folder: each evaluated model's row of this card is written to keep/<name>-<key>.json
+    (key: its greedy evaluation's summary, so writing the card again replaces it); the rows kept there by other runs
+    (other sessions, whose outputs are gone) come back, labelled with their date, commit and CPU."""
+    keep.mkdir(parents=True, exist_ok=True)
+    commit, cpu = machine()
+    for name, row in made.items():
+        path = keep / f"{name}-{row['key']}.json"
+        if not path.exists():  # the first writing keeps the date and commit the run was carded at
+            path.write_text(json.dumps({"name": name, **row, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                                        "commit": commit, "cpu": cpu}, indent=1) + "\n")
+    rows = []
+    for path in sorted(keep.glob("*.json")):
+        try:
+            row = json.loads(path.read_text())
+            name, line = row["name"], row["line"]
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"--keep {keep}: {path.name} is not a row this driver kept; move it out of the folder")
+        if made.get(name, {}).get("key") == row.get("key"):
+            continue  # this run's own row, in the table already
+        label = f"{name} ({row.get('date')}, {row.get('commit')}, {row.get('cpu')})"
+        rows.append({**row, "line": f"| {label} |" + line.removeprefix(f"| {name} |"),
+                     "rl": row["rl"].replace(f"- {name}:", f"- {label}:", 1) if row.get("rl") else None})
+    return rows
+
+
 def write_card(args, out: Path, seconds: dict):
-    """The report card: one row per trained model and arm; nanochat's rows beside them."""
+    """The report card: one row per trained model and arm (and the rows --keep holds from other runs); nanochat's
+    rows beside them."""
+    made = {}
     counts = {name: evaluation(name, out) for name in (f"{p}{m}" for p in ("eval-", f"pass{K}-") for arm in args.arms
                                                           for m in [f"sft-{arm}"] + [f"rl-{arm}-seed{s}" for s in args.seeds])}
     greedy_n = sorted({e["n"] for name, e in counts.items() if e and name.startswith("eval-")})
@@ -265,6 +309,11 @@ def write_card(args, out: Path, seconds: dict):
             lines.append(f"| {name} | {arm} | {answer} | {cell(greedy and greedy['avg_format_rewards'])} | "
                          f"{cell(sampled and sampled.get(f'pass@{K}'))} | {cell(sampled and sampled.get(f'maj@{K}'))} | "
                          f"{cell(greedy and greedy['mean_response_tokens'], 0)} | {tools} | {fails} | {wall} | {tokens} |")
+            if greedy:
+                made[name] = {"line": lines[-1], "rl": rl_line(name, rl) if rl else None,
+                              "key": hashlib.sha256((out / f"eval-{name}" / "summary.json").read_bytes()).hexdigest()[:12]}
+    kept = keep_rows(args.keep, made) if args.keep else []
+    lines += [row["line"] for row in kept]
     lines += [f"| {NANOCHAT['model']}, after SFT | calculator | {NANOCHAT['sft']:.4f} | | | | | | | | |",
               f"| {NANOCHAT['model']}, after RL | calculator | {NANOCHAT['rl']:.4f} | | | | | | | | |", "",
               "RL runs: steps, mean training reward, share of groups that carried a gradient, time split (sample / train "
@@ -273,9 +322,8 @@ def write_card(args, out: Path, seconds: dict):
         for seed in args.seeds:
             rl = rl_figures(out / f"rl-{arm}-seed{seed}")
             if rl:
-                lines.append(f"- rl-{arm}-seed{seed}: {rl['steps']} steps, reward {rl['reward']:.3f}, groups with signal "
-                             f"{cell(rl['groups_with_signal'], 2)}, sample {rl['sample_s'] / rl['step_s']:.0%} / train "
-                             f"{rl['train_s'] / rl['step_s']:.0%}, {rl['tokens'] / max(rl['sample_s'], 1e-9):.0f} tok/s")
+                lines.append(rl_line(f"rl-{arm}-seed{seed}", rl))
+    lines += [row["rl"] for row in kept if row.get("rl")]
     write_own(out / "gsm8k_card.md", "\n".join(lines) + "\n", record="card.json")
     print("\n".join(lines))
 
@@ -300,6 +348,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--passk_limit", type=positive, default=PASSK_LIMIT, help=f"problems of the pass@{K} evaluations")
     parser.add_argument("--card", action="store_true", help="only write the card from what has run")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "gsm8k_card"), help="folder for every stage")
+    parser.add_argument("--keep", default=None, help="a folder to commit (e.g. docs/gsm8k_card): each evaluated "
+                        "model's card row is kept there, and the rows kept by earlier runs join the card")
     parser.add_argument("--overwrite", action="store_true",
                         help="run again a stage whose folder holds a result made with other flags (default: refuse)")
     args = parser.parse_args(joined(sys.argv[1:] if argv is None else argv, "--rl_flags"))
@@ -315,6 +365,9 @@ def parse_args(argv: list[str] | None = None):
     if args.card and (args.overwrite or "--stages" in (sys.argv[1:] if argv is None else argv)):
         parser.error("--card only writes the card from what has run: drop --stages and --overwrite")
     args.out = Path(args.out).resolve()
+    args.keep = Path(args.keep).resolve() if args.keep else None
+    if args.keep and args.keep.exists() and not args.keep.is_dir():
+        parser.error(f"--keep {args.keep} is a file: name a folder")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} is a file: name a folder")
     return args

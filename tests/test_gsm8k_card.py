@@ -3,6 +3,7 @@ statistics' heuristics, and (slow) the driver's smoke run on a tiny model in bot
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -189,3 +190,30 @@ def test_an_unknown_rl_flag_is_one_line_naming_the_script_to_ask(tmp_path):
         "[gsm8k_card] error: the rl-text-seed0 stage (alignment.train_rl) refused its flags: unknown flag --bogus_flag "
         "(--rl_flags takes its flags: uv run -m alignment.train_rl --help)"]
     assert not (tmp_path / "c").exists()
+
+
+def test_kept_rows_outlive_their_folder_and_join_a_later_card(tmp_path):
+    """A session's outputs/ is often gone by the next: --keep holds each evaluated model's row, and a later card
+    (another --out, nothing run in it) shows it, labelled; writing a card again keeps one file a row."""
+    keep = tmp_path / "kept"
+    args = gsm8k_card.parse_args(["--arms", "text", "--seeds", "0", "--out", str(tmp_path / "c"), "--keep", str(keep)])
+    folder = args.out / "eval-sft-text"
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"count": 2, "n_samples": 1, "avg_format_rewards": 1.0,
+                                                     "mean_response_tokens": 5.0}))
+    rows = [{"prompt": "User: q\nAssistant:", "response": "r", "ground_truth": "1", "problem": i, "n_tokens": 5,
+             "answer_reward": float(i == 0), "format_reward": 1.0, "finish_reason": "stop", "stats": {}} for i in range(2)]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gsm8k_card.write_card(args, args.out, {})
+    gsm8k_card.write_card(args, args.out, {})
+    assert len(list(keep.glob("sft-text-*.json"))) == 1
+    assert (args.out / "gsm8k_card.md").read_text().count("0.5000 [0.0945, 0.9055]") == 1  # its own row, once
+    later = gsm8k_card.parse_args(["--arms", "text", "--seeds", "0", "--out", str(tmp_path / "d"), "--keep", str(keep)])
+    later.out.mkdir()
+    gsm8k_card.write_card(later, later.out, {})
+    card = (later.out / "gsm8k_card.md").read_text()
+    assert "| sft-text | text | - |" in card  # this folder's own, not run
+    assert re.search(r"\| sft-text \(\d{4}-\d\d-\d\d, \w+, [\w ]+\) \| text \| 0\.5000 \[0\.0945, 0\.9055\]", card), card
+    (keep / "notes.json").write_text("[1, 2]")
+    with pytest.raises(gsm8k_card.UserError, match="notes.json is not a row this driver kept"):
+        gsm8k_card.write_card(later, later.out, {})
