@@ -145,15 +145,19 @@ def test_a_failures_file_a_reader_edited_is_kept(tmp_path, capsys):
     assert path.read_text().endswith("problem 0: arithmetic\n") and "kept" in capsys.readouterr().out
 
 
-def test_the_cards_header_says_what_the_runs_held(tmp_path):
-    args = gsm8k_card.parse_args(["--arms", "text", "--seeds", "0", "--out", str(tmp_path / "c")])
-    folder = args.out / "eval-sft-text"
+def two_problem_greedy_eval(folder: Path):
+    """A greedy evaluation of 2 problems, the first right, as alignment.evaluate writes it."""
     folder.mkdir(parents=True)
     (folder / "summary.json").write_text(json.dumps({"count": 2, "n_samples": 1, "avg_format_rewards": 1.0,
                                                      "mean_response_tokens": 5.0}))
     rows = [{"prompt": "User: q\nAssistant:", "response": "r", "ground_truth": "1", "problem": i, "n_tokens": 5,
              "answer_reward": float(i == 0), "format_reward": 1.0, "finish_reason": "stop", "stats": {}} for i in range(2)]
     (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_cards_header_says_what_the_runs_held(tmp_path):
+    args = gsm8k_card.parse_args(["--arms", "text", "--seeds", "0", "--out", str(tmp_path / "c")])
+    two_problem_greedy_eval(args.out / "eval-sft-text")
     gsm8k_card.write_card(args, args.out, {})
     card = (args.out / "gsm8k_card.md").read_text()
     assert "greedy on the first 2 problems: " in card and "all 1,319" not in card and "0.5000 [0.0945, 0.9055]" in card
@@ -197,13 +201,7 @@ def test_kept_rows_outlive_their_folder_and_join_a_later_card(tmp_path):
     (another --out, nothing run in it) shows it, labelled; writing a card again keeps one file a row."""
     keep = tmp_path / "kept"
     args = gsm8k_card.parse_args(["--arms", "text", "--seeds", "0", "--out", str(tmp_path / "c"), "--keep", str(keep)])
-    folder = args.out / "eval-sft-text"
-    folder.mkdir(parents=True)
-    (folder / "summary.json").write_text(json.dumps({"count": 2, "n_samples": 1, "avg_format_rewards": 1.0,
-                                                     "mean_response_tokens": 5.0}))
-    rows = [{"prompt": "User: q\nAssistant:", "response": "r", "ground_truth": "1", "problem": i, "n_tokens": 5,
-             "answer_reward": float(i == 0), "format_reward": 1.0, "finish_reason": "stop", "stats": {}} for i in range(2)]
-    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    two_problem_greedy_eval(args.out / "eval-sft-text")
     gsm8k_card.write_card(args, args.out, {})
     gsm8k_card.write_card(args, args.out, {})
     assert len(list(keep.glob("sft-text-*.json"))) == 1
