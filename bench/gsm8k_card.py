@@ -241,10 +241,9 @@ def rl_line(name: str, rl: dict) -> str:
 
 def machine() -> tuple[str, str]:
     """This checkout's commit and the CPU's bf16 flags, which decide a run's numerics and pace."""
+    from train_phase import cpu_flags  # (it imports torch: only when rows are kept)
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    return (done.stdout.strip() or "unknown",
-            " ".join(f for f in ("avx2", "avx512_bf16", "amx_bf16") if f in flags) or "unknown")
+    return done.stdout.strip() or "unknown", cpu_flags()
 
 
 def keep_rows(keep: Path, made: dict) -> list[dict]:
