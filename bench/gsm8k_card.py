@@ -248,15 +248,18 @@ def machine() -> tuple[str, str]:
 
 def keep_rows(keep: Path, made: dict) -> list[dict]:
     """Rows that outlive this folder: each evaluated model's row of this card is written to keep/<name>-<key>.json
-    (key: its greedy evaluation's summary, so writing the card again replaces it); the rows kept there by other runs
-    (other sessions, whose outputs are gone) come back, labelled with their date, commit and CPU."""
+    (key: its greedy evaluation's summary; writing the card again updates the file, keeping the date, commit and CPU
+    of its first writing, so a pass@8 run later joins its row); the rows kept there by other runs (other sessions,
+    whose outputs are gone) come back, labelled with their date, commit and CPU."""
     keep.mkdir(parents=True, exist_ok=True)
     commit, cpu = machine()
     for name, row in made.items():
         path = keep / f"{name}-{row['key']}.json"
-        if not path.exists():  # the first writing keeps the date and commit the run was carded at
-            path.write_text(json.dumps({"name": name, **row, "date": time.strftime("%Y-%m-%d", time.gmtime()),
-                                        "commit": commit, "cpu": cpu}, indent=1) + "\n")
+        before = json.loads(path.read_text()) if path.exists() else {}
+        first = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": commit, "cpu": cpu}
+        now = {"name": name, **row, **{k: before.get(k, v) for k, v in first.items()}}
+        if now != before:
+            path.write_text(json.dumps(now, indent=1) + "\n")
     rows = []
     for path in sorted(keep.glob("*.json")):
         try:

@@ -206,6 +206,15 @@ def test_kept_rows_outlive_their_folder_and_join_a_later_card(tmp_path):
     gsm8k_card.write_card(args, args.out, {})
     assert len(list(keep.glob("sft-text-*.json"))) == 1
     assert (args.out / "gsm8k_card.md").read_text().count("0.5000 [0.0945, 0.9055]") == 1  # its own row, once
+    [kept] = keep.glob("sft-text-*.json")
+    first = json.loads(kept.read_text())
+    two_problem_greedy_eval(args.out / "pass8-sft-text")  # its pass@8 lands in a later run: the kept row takes it
+    (args.out / "pass8-sft-text" / "summary.json").write_text(json.dumps({"count": 2, "n_samples": 8, "pass@8": 0.75}))
+    gsm8k_card.write_card(args, args.out, {})
+    assert list(keep.glob("sft-text-*.json")) == [kept]
+    again = json.loads(kept.read_text())
+    assert "| 0.750 |" in again["line"] and "| 0.750 |" not in first["line"]
+    assert {k: again[k] for k in ("date", "commit", "cpu")} == {k: first[k] for k in ("date", "commit", "cpu")}
     later = gsm8k_card.parse_args(["--arms", "text", "--seeds", "0", "--out", str(tmp_path / "d"), "--keep", str(keep)])
     later.out.mkdir()
     gsm8k_card.write_card(later, later.out, {})
