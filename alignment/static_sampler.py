@@ -30,8 +30,10 @@ completions differ for the same seed; given the same uniforms both give the same
 import time
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 from transformers import StaticCache
 
+from alignment.errors import UserError
 from alignment.sampling import Completion, HFSampler, draw_tokens
 
 WIDTH_BUCKET = 64  # compiled decoding: prompt widths rounded up to a multiple of this (fewer shapes, fewer graphs)
@@ -195,7 +197,13 @@ class StaticSampler(HFSampler):
                 if not first[0]:
                     return compiled(state)
                 start, first[0] = time.perf_counter(), False
-                compiled(state)
+                try:
+                    compiled(state)
+                except BackendCompilerFailed as e:  # e.g. torch 2.11's inductor on an H200 (docs/results.md)
+                    inner = getattr(e, "inner_exception", None) or e.__cause__ or e  # the compiler's own error
+                    said = (str(inner).strip().splitlines() or [""])[0][:200]
+                    raise UserError(f"the static sampler's decode step did not compile with torch {torch.__version__} "
+                                    f"({type(inner).__name__}: {said}): use --hf_decoding loop.") from e
                 torch.cuda.synchronize() if state.logits.is_cuda else None
                 self.compile_seconds += time.perf_counter() - start
             self._compiled[key] = timed

@@ -374,7 +374,7 @@ def load_models(args: RLArgs, run: Run, roles: dict, device: str, backend: str) 
         return models.load_model(name, roles[role], models.default_dtype(roles[role], args.precision))
     if backend == "hf":  # sharing the policy, it samples under the policy's autocast; on CUDA its own bf16 copy
         # (pushed after each update), so the compiled decode step reads bf16 weights instead of casting fp32 ones
-        static = args.hf_decoding == "static" or (args.hf_decoding == "auto" and roles["sample"].startswith("cuda"))
+        static = args.hf_decoding == "static"
         shares = roles["policy"] == [roles["sample"]] and not device and not (static and roles["sample"].startswith("cuda"))
         sampler = make_sampler("hf", policy if shares else copy(run.weights, "sample"), tokenizer,
                                batch_size=args.sample_batch_size, decoding=args.hf_decoding)

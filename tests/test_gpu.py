@@ -137,13 +137,13 @@ def test_the_weight_push_reaches_a_sampler_on_the_gpu(tokenizer):
 
 
 def test_the_static_sampler_compiles_on_the_gpu_and_decodes_as_the_reference(tokenizer):
-    """On CUDA the HF sampler (`make_sampler("hf", ...)`) is the static-shape sampler with its decode step compiled and captured; it gives
+    """On CUDA `--hf_decoding static` is the static-shape sampler with its decode step compiled and captured; it gives
     the reference loop's tokens on the same uniforms, and its counter draws equal the CPU's."""
     from alignment.samplers import make_sampler
     from alignment.static_sampler import StaticSampler, counter_draws, counter_uniforms
     model = build_tiny_model(tokenizer).to(GPU)
     model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 3)
-    static = make_sampler("hf", model, tokenizer, batch_size=8)
+    static = make_sampler("hf", model, tokenizer, batch_size=8, decoding="static")
     assert isinstance(static, StaticSampler) and static.compile
 
     class CounterReference(HFSampler):

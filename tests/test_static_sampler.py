@@ -5,6 +5,7 @@ one graph without recompiling."""
 
 import collections
 import functools
+import types
 
 import pytest
 import torch
@@ -208,6 +209,32 @@ def test_the_decode_step_compiles_into_one_graph_without_recompiling(tiny_model,
     # the compiled sampler buckets the width and pads the batch: the same tokens all the same
     assert _tokens(first) == _tokens(eager.generate(PROMPTS[:2], params))
     assert _tokens(second) == _tokens(eager.generate(PROMPTS[2:], params))
+
+
+def test_a_decode_step_that_does_not_compile_is_one_line_that_says_use_the_loop(tiny_model, tokenizer, monkeypatch):
+    """torch 2.11's inductor failed on the static sampler's step on an H200 (2026-12-04): the compiler's error
+    becomes a UserError naming --hf_decoding loop, not a traceback from inside the sampler."""
+    from alignment.errors import UserError
+    torch._dynamo.reset()
+
+    def backend(graph, example_inputs):  # inductor's failure, as dynamo reports a backend's error
+        raise TypeError("list indices must be integers or slices, not NoneType")
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, fullgraph=False: real(fn, backend=backend,
+                                                                                        fullgraph=True))
+    sampler = StaticSampler(tiny_model, tokenizer, batch_size=8, compile=True)
+    with pytest.raises(UserError, match=r"did not compile with torch .*list indices.*use --hf_decoding loop\.$"):
+        sampler.generate(PROMPTS[:2], SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1))
+    torch._dynamo.reset()
+
+
+def test_auto_decoding_is_the_loop_on_a_gpu_too():
+    """auto picks the loop on CUDA as on the CPU until a GPU pass shows the compiled static sampler working."""
+    from alignment.samplers import hf_decoding
+    gpu_model = types.SimpleNamespace(device=torch.device("cuda", 0), _can_compile_fullgraph=True,
+                                      config=types.SimpleNamespace(layer_types=None))
+    assert hf_decoding(gpu_model, "auto") == "loop"
+    assert hf_decoding(gpu_model, "static") == "static"
 
 
 def test_hf_decoding_picks_the_sampler_and_refuses_what_cannot_work(tiny_model, tokenizer):
