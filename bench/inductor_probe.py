@@ -23,6 +23,10 @@ CANDIDATES = {
     "no_split_reductions": {"split_reductions": False},
     "no_mix_order_reduction": {"triton.mix_order_reduction": False},
     "no_fusion": {"max_fusion_size": 1},
+    # not inductor settings: the attention the graph holds (the CPU's C++ and Triton code generation of torch 2.11
+    # both pass, so the failing kernel is likely one the CUDA graph alone has: its attention or a decomposition)
+    "sdpa_math": {"sdpa": "math"},
+    "eager_attention": {"attention": "eager"},
 }
 
 
@@ -60,7 +64,13 @@ def one(name: str, tokenizer_dir: str, device: str) -> dict:
     from alignment.sampling import HFSampler, SamplingParams
     from tests.conftest import build_tiny_model
     import torch._inductor.config as inductor_config
-    for key, value in CANDIDATES[name].items():  # this process's inductor settings (each candidate has its own)
+    settings = dict(CANDIDATES[name])
+    sdpa, attention = settings.pop("sdpa", None), settings.pop("attention", None)
+    if sdpa == "math":  # SDPA's fused kernels off: the math path, decomposed by inductor
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    for key, value in settings.items():  # this process's inductor settings (each candidate has its own)
         *path, last = key.split(".")
         target = inductor_config
         for part in path:
@@ -68,6 +78,8 @@ def one(name: str, tokenizer_dir: str, device: str) -> dict:
         setattr(target, last, value)
     tokenizer = models.load_tokenizer(tokenizer_dir)
     model = build_tiny_model(tokenizer).to(device)
+    if attention:
+        model.set_attn_implementation(attention)
     sampler = static_sampler.StaticSampler(model, tokenizer, batch_size=8, compile=True)
 
     class CounterReference(HFSampler):
