@@ -11,6 +11,7 @@ copy rate (a large tensor copied, read plus written bytes per second), measured 
 """
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -24,7 +25,8 @@ from alignment.errors import UserError  # noqa: E402
 from alignment.sampling import HFSampler, SamplingParams  # noqa: E402
 from alignment.static_sampler import StaticSampler  # noqa: E402
 
-SAMPLERS = {"loop": HFSampler, "static": StaticSampler}
+# static_eager: the static sampler without its compiled step (on the CPU it is never compiled: the same as static)
+SAMPLERS = {"loop": HFSampler, "static": StaticSampler, "static_eager": functools.partial(StaticSampler, compile=False)}
 
 
 def copy_rate(device: str, mib: int = 512, seconds: float = 1.0) -> float:

@@ -32,8 +32,9 @@ built from a config (the 514 MB SmolLM2 weights cannot travel): right for speed 
                allocator retries
   qwen_compiled  the same with --compile_layers (each decoder layer one compiled graph: the element-wise work
                fused), 3 steps: the train phase of steps 2-3 against qwen_shape's, and step 1's (the compile)
-  sampler      (if the budget allows) bench/decode_rate.py on the 1.5B shape: the reference loop and the static
-               sampler (compiled, captured) at batch 64 x 256 tokens, beside a decode step's bandwidth floor
+  sampler      (if the budget allows) bench/decode_rate.py on the 1.5B shape: the reference loop, the static
+               sampler uncompiled and compiled (captured) at batch 64 x 256 tokens, beside a decode step's
+               bandwidth floor
   trl          (if the budget allows) bench/rl_step.py on the GPU: seconds per GRPO step, ours (train_rl.main, HF
                sampler: the loop, train_rl's default) against TRL's GRPOTrainer (its HF generate), SmolLM2-135M's shape, one
                question x 16 answers forced to 128 tokens, one microbatch of 16, both bf16 autocast on fp32 weights,
@@ -196,7 +197,7 @@ def stage_plan(args, work: Path) -> list[tuple[str, list[str], int]]:
         ("sampler", [*python, "bench/decode_rate.py", "--model", str(work / "qwen"), "--device", args.device,
                      *(["--batch", "4", "--tokens", "8", "--prompt_tokens", "8"] if args.tiny else
                        ["--batch", "64", "--tokens", "256", "--prompt_tokens", "100"]),
-                     "--json", str(work / "decode_rate.json")], 180),
+                     "--samplers", "loop,static_eager,static", "--json", str(work / "decode_rate.json")], 180),
         ("trl", trl, 240),
     ]
 
@@ -467,6 +468,7 @@ def check_evaluate(work, output, env):
 def check_sampler(work, output, env):
     measured = json.loads((work / "decode_rate.json").read_text())
     assert measured["loop"]["tokens_per_s"] > 0, measured["loop"]
+    assert measured["static_eager"]["tokens_per_s"] > 0, measured["static_eager"]
     if "error" in measured["static"]:  # the loop's rate comes back, and the stage fails on the static sampler's error
         return {**measured, "ok": False, "error": measured["static"]["error"]}
     assert measured["static"]["tokens_per_s"] > 0
