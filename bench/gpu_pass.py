@@ -497,6 +497,7 @@ def stage(args, flags: list[str]):
     from alignment import train_rl
     from alignment.args import RLArgs, parse
     run_dir = Path(flags[flags.index("--output_dir") + 1])
+    phases = _allocator_per_train_phase(train_rl) if torch.cuda.is_available() else None
     window = _profile_train_phase(train_rl, args.profile_step) if args.profile_step else None
     train_rl.main(parse(RLArgs, flags))
     measured = {}
@@ -504,10 +505,42 @@ def stage(args, flags: list[str]):
         stats = torch.cuda.memory_stats()
         measured.update(peak_gpu_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                         peak_gpu_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
-                        alloc_retries=stats.get("num_alloc_retries", 0), ooms=stats.get("num_ooms", 0))
+                        alloc_retries=stats.get("num_alloc_retries", 0), ooms=stats.get("num_ooms", 0),
+                        train_phases=phases)
     if window is not None:
         measured.update(_profile_summary(window, Path(args.work) / f"{run_dir.name}_profile.txt"))
     (Path(args.work) / f"{run_dir.name}_stage.json").write_text(json.dumps(measured))
+
+
+def _allocator_per_train_phase(train_rl) -> list[dict]:
+    """Wrap train_rl's train phase so that each step's wall time and the CUDA allocator's device allocations and
+    frees during it (cudaMalloc/cudaFree: a free waits for the device) are appended to the returned list: does a
+    slow step coincide with the allocator going to the device?"""
+    import torch
+    build, update, start = train_rl.build_experience, train_rl._update, {}
+
+    def counts():
+        stats = torch.cuda.memory_stats()
+        return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
+
+    def build_counted(*a, **k):
+        torch.cuda.synchronize()
+        start.update(time=time.perf_counter(), counts=counts())
+        return build(*a, **k)
+
+    def update_counted(*a, **k):
+        try:
+            return update(*a, **k)
+        finally:
+            if start:
+                torch.cuda.synchronize()
+                (allocs, frees), (allocs0, frees0) = counts(), start.pop("counts")
+                phases.append({"s": round(time.perf_counter() - start.pop("time"), 3), "device_allocs": allocs - allocs0,
+                               "device_frees": frees - frees0,
+                               "reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 2)})
+    phases = []
+    train_rl.build_experience, train_rl._update = build_counted, update_counted
+    return phases
 
 
 def _profile_train_phase(train_rl, step: int) -> dict:
@@ -554,7 +587,9 @@ def _profile_summary(window: dict, table: Path) -> dict:
     summary = {"profiled_train_s": round(window["wall_s"], 3), "kernel_s": round(kernel_s, 3),
                "gpu_busy": round(kernel_s / window["wall_s"], 3),
                "aten_ops": count(lambda k: k.startswith("aten::")),
-               "kernel_launches": count(lambda k: k in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")),
+               # cuLaunchKernelEx too (Triton's and cuBLAS's launches; the passes of 2026-11-28 and 12-04 left it out)
+               "kernel_launches": count(lambda k: k in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                        "cuLaunchKernelEx")),
                "host_syncs": {k.strip(): count(lambda key, k=k: key.startswith(k)) for k in syncs}}
     by = "self_cuda_time_total" if kernel_s else "self_cpu_time_total"
     table.write_text(f"{json.dumps(summary)}\n\ntop operations by {by}\n{events.table(sort_by=by, row_limit=25)}\n"

@@ -71,3 +71,33 @@ def test_the_pass_never_overwrites_an_earlier_pass(tmp_path):
     done = _gpu_pass("run", "--out", str(tmp_path / "new"))  # no CUDA here: said before any file is written
     assert done.returncode != 0 and "torch sees no CUDA device" in done.stderr, done.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_the_allocator_record_has_one_entry_per_train_phase(monkeypatch):
+    """The rl and qwen stages record, for each step's train phase (experience, then update), its seconds and the
+    CUDA allocator's device allocations and frees during it; here with the CUDA calls stood in for."""
+    import importlib.util
+    import types
+
+    import torch
+    spec = importlib.util.spec_from_file_location("gpu_pass", ROOT / "bench" / "gpu_pass.py")
+    gpu_pass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_pass)
+    allocator = {"num_device_alloc": 0, "num_device_free": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: dict(allocator))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 3 * 2**30)
+
+    def build_experience(*args):
+        allocator["num_device_alloc"] += 2
+        return "experience"
+
+    def _update(*args):
+        allocator["num_device_free"] += 1
+        return 0
+    train_rl = types.SimpleNamespace(build_experience=build_experience, _update=_update)
+    phases = gpu_pass._allocator_per_train_phase(train_rl)
+    for _ in range(3):  # the loop calls them through the module, as train_rl's step does
+        assert train_rl.build_experience() == "experience" and train_rl._update() == 0
+    assert [(p["device_allocs"], p["device_frees"], p["reserved_gib"]) for p in phases] == [(2, 1, 3.0)] * 3
+    assert all(p["s"] >= 0 for p in phases)
