@@ -194,18 +194,19 @@ class StaticSampler(HFSampler):
             first = [True]
 
             def timed(state):  # the first call compiles and captures: timed apart from the decode rate
-                if not first[0]:
-                    return compiled(state)
-                start, first[0] = time.perf_counter(), False
+                start = time.perf_counter()
                 try:
                     compiled(state)
-                except BackendCompilerFailed as e:  # e.g. torch 2.11's inductor on an H200 (docs/results.md)
+                except BackendCompilerFailed as e:  # e.g. torch 2.11's inductor on an H200 (docs/log.md); any call
+                    # may compile (the first, or a recompile when a guard fails)
                     inner = getattr(e, "inner_exception", None) or e.__cause__ or e  # the compiler's own error
                     said = (str(inner).strip().splitlines() or [""])[0][:200]
                     raise UserError(f"the static sampler's decode step did not compile with torch {torch.__version__} "
                                     f"({type(inner).__name__}: {said}): use --hf_decoding loop.") from e
-                torch.cuda.synchronize() if state.logits.is_cuda else None
-                self.compile_seconds += time.perf_counter() - start
+                if first[0]:
+                    torch.cuda.synchronize() if state.logits.is_cuda else None
+                    self.compile_seconds += time.perf_counter() - start
+                    first[0] = False
             self._compiled[key] = timed
         return self._compiled[key]
 

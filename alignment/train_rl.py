@@ -372,8 +372,8 @@ def load_models(args: RLArgs, run: Run, roles: dict, device: str, backend: str) 
 
     def copy(name, role):  # a model that is only run, in the run's precision on its device
         return models.load_model(name, roles[role], models.default_dtype(roles[role], args.precision))
-    if backend == "hf":  # sharing the policy, it samples under the policy's autocast; on CUDA its own bf16 copy
-        # (pushed after each update), so the compiled decode step reads bf16 weights instead of casting fp32 ones
+    if backend == "hf":  # sharing the policy, it samples under the policy's autocast; the static sampler on CUDA gets
+        # its own bf16 copy (pushed after each update), so its compiled step reads bf16 weights, not casts of fp32 ones
         static = args.hf_decoding == "static"
         shares = roles["policy"] == [roles["sample"]] and not device and not (static and roles["sample"].startswith("cuda"))
         sampler = make_sampler("hf", policy if shares else copy(run.weights, "sample"), tokenizer,

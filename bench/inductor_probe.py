@@ -1,10 +1,12 @@
-"""Which inductor options let the static sampler's decode step compile on this GPU (a diagnosis, one process each).
+"""Which settings let the static sampler's decode step compile on this GPU (a diagnosis, one process each).
 
 On the H200 pass of 2026-12-04 (torch 2.11) the compiled decode step failed in inductor's Triton code generation
-(`get_block_shape`: `TypeError: list indices must be integers or slices, not NoneType`); torch 2.13 handles that
-case. This script compiles the static sampler on a tiny random Llama once per option set, each in its own process
-and all at once, and prints, for each: ok (with its tokens equal to the reference loop's) or the error, and for a
-failure the Triton kernel being generated (its ranges, whether it is a persistent reduction, its nodes).
+(`get_block_shape`: `TypeError: list indices must be integers or slices, not NoneType`) on a SplitScan: the CDF's
+float64 cumsum over the vocabulary, which inductor splits on CUDA. draw_tokens now sums in scans of at most 32
+(`sampling.prefix_sum`), never split. This script compiles the static sampler on a tiny random Llama once per
+candidate, each in its own process and all at once: `default` (today's code), `one_scan` (the CDF as one cumsum
+again: the failure of 2026-12-04, the control), inductor settings, SDPA's math path, eager attention. For each: ok
+(its tokens equal to the reference loop's) or the error, and for a failure the Triton kernel being generated.
 
     python3 bench/inductor_probe.py --tokenizer .gpu_pass/smollm2-135m
 """
@@ -13,6 +15,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -23,8 +26,8 @@ CANDIDATES = {
     "no_split_reductions": {"split_reductions": False},
     "no_mix_order_reduction": {"triton.mix_order_reduction": False},
     "no_fusion": {"max_fusion_size": 1},
-    # not inductor settings: the attention the graph holds (the CPU's C++ and Triton code generation of torch 2.11
-    # both pass, so the failing kernel is likely one the CUDA graph alone has: its attention or a decomposition)
+    # not inductor settings: the CDF as one scan (the control), the attention the graph holds
+    "one_scan": {"cdf": "one_scan"},
     "sdpa_math": {"sdpa": "math"},
     "eager_attention": {"attention": "eager"},
 }
@@ -65,7 +68,10 @@ def one(name: str, tokenizer_dir: str, device: str) -> dict:
     from tests.conftest import build_tiny_model
     import torch._inductor.config as inductor_config
     settings = dict(CANDIDATES[name])
-    sdpa, attention = settings.pop("sdpa", None), settings.pop("attention", None)
+    sdpa, attention, cdf = settings.pop("sdpa", None), settings.pop("attention", None), settings.pop("cdf", None)
+    if cdf == "one_scan":  # the draw as before 2026-12-04: one cumsum over the vocabulary
+        from alignment import sampling
+        sampling.prefix_sum = lambda x, block=32: x.cumsum(-1)
     if sdpa == "math":  # SDPA's fused kernels off: the math path, decomposed by inductor
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
@@ -108,6 +114,7 @@ def main():
     parser.add_argument("--device", default="cuda", help="cuda (the diagnosis) or cpu (a dry run of this script)")
     parser.add_argument("--one", choices=sorted(CANDIDATES), help="(internal) run one option set in this process")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds for all candidates together")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one(args.one, args.tokenizer, args.device)))
@@ -115,9 +122,14 @@ def main():
     child = [sys.executable, __file__, "--tokenizer", args.tokenizer, "--device", args.device, "--one"]
     runs = {name: subprocess.Popen([*child, name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for name in CANDIDATES}
-    results = {}
+    results, deadline = {}, time.monotonic() + args.timeout
     for name, proc in runs.items():
-        out, err = proc.communicate(timeout=300)
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err = f"not done after --timeout {args.timeout:.0f}s\n{err}"
         lines = [line for line in out.splitlines() if line.startswith("{")]
         results[name] = json.loads(lines[-1]) if lines else {"ok": False, "error": err[-800:]}
         print(f"[inductor_probe] {name} {json.dumps(CANDIDATES[name])}: {json.dumps(results[name])}", flush=True)

@@ -217,3 +217,13 @@ def test_a_vllm_sampler_built_as_a_library_call_takes_the_one_default_precision(
     VLLMSampler("model", device="cpu", precision="auto")
     VLLMSampler("model", device="cpu", precision="fp32")
     assert seen == ["float32", "bfloat16", "float32"]
+
+
+@pytest.mark.parametrize("n", [1, 32, 33, 1000, 49152])
+def test_prefix_sum_is_cumsum_in_blocks_of_32(n):
+    """draw_tokens' CDF: the sums cumsum gives (float64: within 1e-12 relative), padded rows cut, any leading shape."""
+    from alignment.sampling import prefix_sum
+    x = torch.rand(2, 3, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    got, want = prefix_sum(x), x.cumsum(-1)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)

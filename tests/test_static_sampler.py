@@ -211,6 +211,29 @@ def test_the_decode_step_compiles_into_one_graph_without_recompiling(tiny_model,
     assert _tokens(second) == _tokens(eager.generate(PROMPTS[2:], params))
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_the_compiled_step_holds_no_scan_longer_than_32(tiny_model, tokenizer, top_p):
+    """On CUDA torch 2.11's inductor split the CDF's scan over the vocabulary and failed to generate its code (H200,
+    2026-12-04); a scan of at most 32 terms is never split, so the traced step must hold none longer."""
+    torch._dynamo.reset()
+    scans = []
+
+    def backend(graph, example_inputs):
+        for node in graph.graph.nodes:
+            if node.target in (torch.cumsum, "cumsum"):
+                scans.append(node.meta["example_value"].shape[-1])
+        return graph.forward
+    real = torch.compile
+    try:
+        torch.compile = lambda fn, mode=None, fullgraph=False: real(fn, backend=backend, fullgraph=True)
+        StaticSampler(tiny_model, tokenizer, batch_size=8, compile=True).generate(
+            PROMPTS[:2], SamplingParams(n=2, temperature=1.0, top_p=top_p, max_tokens=4, seed=1))
+    finally:
+        torch.compile = real
+        torch._dynamo.reset()
+    assert scans and max(scans) <= 32, scans
+
+
 def test_a_decode_step_that_does_not_compile_is_one_line_that_says_use_the_loop(tiny_model, tokenizer, monkeypatch):
     """torch 2.11's inductor failed on the static sampler's step on an H200 (2026-12-04): the compiler's error
     becomes a UserError naming --hf_decoding loop, not a traceback from inside the sampler."""
