@@ -227,13 +227,19 @@ def prefix_sum(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """`x.cumsum(-1)` as scans of at most `block` terms: within blocks, then over the blocks' totals (recursively).
     The same sums in another order; the reason is the compiled static sampler: on CUDA, torch 2.11's inductor turns
     one long scan (a row of the vocabulary) into a split scan whose code generation fails, and a scan of at most 32
-    terms is never split (docs/log.md, the GPU pass of 2026-12-04)."""
+    terms is never split (docs/log.md, the GPU pass of 2026-12-04). Only inside a compiled graph (see `_cumsum`): run
+    eagerly it costs ~16x cumsum's time, and eager decoding never needs it."""
     n = x.shape[-1]
     if n <= block:
         return x.cumsum(-1)
     inner = torch.nn.functional.pad(x, (0, -n % block)).unflatten(-1, (-1, block)).cumsum(-1)  # (..., n/block, block)
     totals = inner[..., -1]
     return (inner + (prefix_sum(totals, block) - totals)[..., None]).flatten(-2)[..., :n]
+
+
+def _cumsum(x: torch.Tensor) -> torch.Tensor:
+    """cumsum over the last dim; in blocks of 32 while torch.compile traces (prefix_sum), else torch's own."""
+    return prefix_sum(x) if torch.compiler.is_compiling() else x.cumsum(-1)
 
 
 def draw_tokens(logits, temperature: float, top_p: float, uniform) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,9 +255,9 @@ def draw_tokens(logits, temperature: float, top_p: float, uniform) -> tuple[torc
     if top_p < 1.0:
         sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
         # drop a token when the tokens strictly more likely than it already cover top_p
-        drop = prefix_sum(sorted_probs) - sorted_probs > top_p
+        drop = _cumsum(sorted_probs) - sorted_probs > top_p
         probs = torch.zeros_like(probs).scatter(-1, sorted_ids, sorted_probs.masked_fill(drop, 0.0))
-    cdf = prefix_sum(probs.double())  # (B, V); float64 so 150k small terms add up exactly enough
+    cdf = _cumsum(probs.double())  # (B, V); float64 so 150k small terms add up exactly enough
     target = (uniform * cdf[:, -1])[:, None]  # (B, 1): a point in [0, total mass)
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     kept = probs.gather(-1, tokens[:, None]).squeeze(-1)

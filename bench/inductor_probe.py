@@ -2,8 +2,8 @@
 
 On the H200 pass of 2026-12-04 (torch 2.11) the compiled decode step failed in inductor's Triton code generation
 (`get_block_shape`: `TypeError: list indices must be integers or slices, not NoneType`) on a SplitScan: the CDF's
-float64 cumsum over the vocabulary, which inductor splits on CUDA. draw_tokens now sums in scans of at most 32
-(`sampling.prefix_sum`), never split. This script compiles the static sampler on a tiny random Llama once per
+float64 cumsum over the vocabulary, which inductor splits on CUDA. A compiled draw_tokens now sums in scans of at
+most 32 (`sampling.prefix_sum`), never split. This script compiles the static sampler on a tiny random Llama once per
 candidate, each in its own process and all at once: `default` (today's code), `one_scan` (the CDF as one cumsum
 again: the failure of 2026-12-04, the control), inductor settings, SDPA's math path, eager attention. For each: ok
 (its tokens equal to the reference loop's) or the error, and for a failure the Triton kernel being generated.
