@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from alignment import distributed, models
+from alignment import distributed, folders, models
 from alignment.args import SCRIPTS, saved_dict, to_dict
 from alignment.errors import MissingFileError, StoppedAtOnce, UserError
 
@@ -80,8 +80,8 @@ class Run:
             raise UserError(f"{self.dir} holds files that are not a run of this project's scripts"
                             f"{' (--overwrite deletes only run folders)' if args.overwrite else ''}: choose another "
                             f"--output_dir.")
-        foreign = sorted(p.name for p in self.dir.iterdir() if p.name not in RUN_FILES) if args.overwrite and \
-            run_config(self.dir) else []
+        # at every depth: a note the user put inside checkpoint/ is theirs too (a save carries it over)
+        foreign = folders.foreign_files(self.dir, RUN_FILES) if args.overwrite and run_config(self.dir) else []
         if foreign:
             raise UserError(f"{self.dir} holds files no run writes ({', '.join(foreign[:5])}"
                             f"{', ...' if len(foreign) > 5 else ''}): --overwrite deletes only what a run wrote; move "

@@ -200,6 +200,30 @@ def test_overwrite_deletes_only_what_a_run_wrote(tmp_path):
     assert not (run.dir / PLOT_FILE).exists()
 
 
+def test_overwrite_and_saves_keep_a_users_file_inside_checkpoint(tmp_path, tiny_model, tokenizer):
+    """Issue 91: `--overwrite` deleted a note the user put in checkpoint/ (the refusal looked at the top level only),
+    and so did every later save (the folder is replaced whole). The refusal names the nested file; a save carries it
+    over; a checkpoint written before the manifest is read by the names a save writes."""
+    from alignment import folders
+    run = open_run(tmp_path / "run")
+    run.save(1, tiny_model, tokenizer, torch.optim.AdamW(tiny_model.parameters()))
+    (run.checkpoint / "NOTES.txt").write_text("mine")
+    (run.checkpoint / "optimizer" / "mine.txt").write_text("mine too")
+    with pytest.raises(UserError, match=r"holds files no run writes \(checkpoint/NOTES.txt, "
+                                        r"checkpoint/optimizer/mine.txt\): --overwrite deletes only"):
+        open_run(tmp_path / "run", overwrite=True)
+    run.save(2, tiny_model, tokenizer, torch.optim.AdamW(tiny_model.parameters()))  # replaces checkpoint/ whole
+    assert (run.checkpoint / "NOTES.txt").read_text() == "mine"
+    assert (run.checkpoint / "optimizer" / "mine.txt").read_text() == "mine too"
+    assert folders.foreign_in_checkpoint(run.checkpoint) == ["NOTES.txt", "optimizer/mine.txt"]
+    (run.checkpoint / folders.MANIFEST).unlink()  # as saved before 2026-12-07: the save's own names still count
+    assert folders.foreign_in_checkpoint(run.checkpoint) == ["NOTES.txt"]
+    for name in ("NOTES.txt", "optimizer/mine.txt"):
+        (run.checkpoint / name).unlink()
+    assert open_run(tmp_path / "run", overwrite=True).metrics() == []
+    assert not run.checkpoint.exists()
+
+
 def test_a_users_lone_config_json_is_kept(tmp_path):
     """Issue 77's probe: a folder holding only the user's config.json was taken for a run that failed before its
     first step, and the file was replaced without --overwrite. A run's own lone config.json still is one."""

@@ -1,0 +1,64 @@
+"""What a run wrote into its folder, at every depth: `--overwrite` deletes only that, and a save keeps the rest.
+
+A run folder's top level holds the names in RUN_FILES; each checkpoint folder lists the files its save wrote in
+MANIFEST, so a file the user put inside `checkpoint/` (notes, an evaluation) is told apart from the weights. A
+checkpoint saved before the manifest existed is read by the names a save writes (LEGACY_NAMES). Stdlib only:
+models.py (the save) and run.py (the refusal) both use it.
+"""
+
+import fnmatch
+import shutil
+from pathlib import Path
+
+MANIFEST = ".written"  # inside a checkpoint: one relative path a line, every file its save wrote
+CHECKPOINT_DIRS = ("checkpoint", "checkpoint.tmp", "checkpoint.old")  # a save's folder and its two renames
+# a checkpoint saved before MANIFEST (2026-12-07): what save_checkpoint wrote at its top, and its folders
+LEGACY_NAMES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+                "pytorch_model*.bin", "pytorch_model.bin.index.json", "tokenizer*", "special_tokens_map.json",
+                "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json", "run_config.json",
+                "trainer_state.pt")
+LEGACY_FOLDERS = ("optimizer", "adapter", "critic")
+
+
+def files_under(folder: Path) -> list[str]:
+    """Every file (or link) below folder, as a sorted list of paths relative to it."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir() or p.is_symlink())
+
+
+def write_manifest(checkpoint: Path):
+    """Called by a save once every file is written, before its renames: the manifest names them all."""
+    (checkpoint / MANIFEST).write_text("".join(f"{name}\n" for name in files_under(checkpoint) if name != MANIFEST))
+
+
+def foreign_in_checkpoint(checkpoint: Path) -> list[str]:
+    """The files inside a checkpoint folder that its save did not write (relative paths, sorted)."""
+    if not checkpoint.is_dir():
+        return []
+    manifest = checkpoint / MANIFEST
+    if manifest.is_file():
+        written = set(manifest.read_text().splitlines()) | {MANIFEST}
+        return [name for name in files_under(checkpoint) if name not in written]
+    if checkpoint.name == "checkpoint.tmp":  # a save cut off before its manifest: all of it is the save's own
+        return []
+    return [name for name in files_under(checkpoint) if not _legacy_written(name)]
+
+
+def _legacy_written(name: str) -> bool:
+    top, _, rest = name.partition("/")
+    return top in LEGACY_FOLDERS and bool(rest) or not rest and any(fnmatch.fnmatch(top, p) for p in LEGACY_NAMES)
+
+
+def foreign_files(run_dir: Path, run_files: set[str]) -> list[str]:
+    """What no run wrote in a run folder, at every depth (relative paths): the top level's names outside
+    run_files, and inside each checkpoint folder the files outside its manifest."""
+    top = sorted(p.name for p in run_dir.iterdir() if p.name not in run_files)
+    nested = [f"{name}/{inner}" for name in CHECKPOINT_DIRS for inner in foreign_in_checkpoint(run_dir / name)]
+    return top + nested
+
+
+def carry_foreign(old: Path, new: Path):
+    """Before a save replaces `old` with `new`: copy the user's files in `old` across, so the save deletes only what
+    an earlier save wrote (they are copied, not moved: until the renames, `old` stays whole)."""
+    for name in foreign_in_checkpoint(old):
+        (new / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(old / name, new / name, follow_symlinks=False)
