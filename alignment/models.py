@@ -22,7 +22,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenCla
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from alignment import attention, distributed, lora
+from alignment import attention, distributed, folders, lora
 from alignment.errors import MissingFileError, UserError
 from alignment.tokens import check_output_head
 
@@ -305,6 +305,8 @@ def _write_checkpoint(model, tokenizer, out_dir: Path, tmp: Path, main: bool, fu
             torch.save(obj, tmp / file_name)
         for folder, submodel in (submodels or {}).items():
             submodel.save_pretrained(tmp / folder)
+        folders.write_manifest(tmp)  # what this save wrote; a file the user put in out_dir is carried over
+        folders.carry_foreign(out_dir, tmp)
         old = out_dir.with_name(out_dir.name + ".old")
         if out_dir.exists():
             shutil.rmtree(old, ignore_errors=True)
