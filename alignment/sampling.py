@@ -224,17 +224,24 @@ def _generator_uniforms(generators, device) -> torch.Tensor:
 
 
 def prefix_sum(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """`x.cumsum(-1)` as scans of at most `block` terms: within blocks, then over the blocks' totals (recursively).
-    The same sums in another order; the reason is the compiled static sampler: on CUDA, torch 2.11's inductor turns
-    one long scan (a row of the vocabulary) into a split scan whose code generation fails, and a scan of at most 32
-    terms is never split (docs/log.md, the GPU pass of 2026-12-04). Only inside a compiled graph (see `_cumsum`): run
-    eagerly it costs ~16x cumsum's time, and eager decoding never needs it."""
+    """`x.cumsum(-1)` of a non-negative x as scans of at most `block` terms: within blocks, then over the blocks'
+    totals (recursively). The same sums in another order; the reason is the compiled static sampler: on CUDA, torch
+    2.11's inductor turns one long scan (a row of the vocabulary) into a split scan whose code generation fails, and
+    a scan of at most 32 terms is never split (docs/log.md, the GPU pass of 2026-12-04). Only inside a compiled
+    graph (see `_cumsum`): run eagerly it costs ~16x cumsum's time, and eager decoding never needs it.
+
+    Adding a block's offset rounds, so a sum could dip by one rounding step where a block starts, and the token
+    search assumes a sorted CDF: each block is clamped between the sums at its two ends (monotone by induction, and
+    a block's own sums are), which makes the whole row monotone without another scan."""
     n = x.shape[-1]
     if n <= block:
         return x.cumsum(-1)
     inner = torch.nn.functional.pad(x, (0, -n % block)).unflatten(-1, (-1, block)).cumsum(-1)  # (..., n/block, block)
     totals = inner[..., -1]
-    return (inner + (prefix_sum(totals, block) - totals)[..., None]).flatten(-2)[..., :n]
+    ends = prefix_sum(totals, block)  # (..., n/block): the sum at each block's end
+    starts = torch.nn.functional.pad(ends[..., :-1], (1, 0))  # and at its start: 0 before the first
+    sums = torch.clamp(inner + (ends - totals)[..., None], min=starts[..., None], max=ends[..., None])
+    return sums.flatten(-2)[..., :n]
 
 
 def _cumsum(x: torch.Tensor) -> torch.Tensor:

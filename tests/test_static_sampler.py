@@ -220,8 +220,8 @@ def test_the_compiled_step_holds_no_scan_longer_than_32(tiny_model, tokenizer, t
 
     def backend(graph, example_inputs):
         for node in graph.graph.nodes:
-            if node.target in (torch.cumsum, "cumsum"):
-                scans.append(node.meta["example_value"].shape[-1])
+            if node.target in (torch.cumsum, "cumsum", torch.cummax, "cummax"):  # the CDF and its running maximum
+                scans.append(node.args[0].meta["example_value"].shape[-1])  # the scanned length
         return graph.forward
     real = torch.compile
     try:
