@@ -91,6 +91,10 @@ def test_one_trained_segment_tokenizes_as_tokenize_prompt_and_output(tokenizer):
     ("It is 2*3 = <<2*3=7>>7.\n#### 7", "7", "other_value"),
     ("It is 10/3 = <<10/3=3.33>>3.33.\n#### 3.33", "3.33", "other_value"),  # rounded: 3.3333333333333335 is not 3.33
     ("It is 6 = <<2*3=6>>6.\n#### 6", "6}", "answer_not_graded"),
+    # issue 91: a nested annotation trained on the outer one's remains (`<<3+=7>>`), a large off-by-one passed 1e-6
+    ("It is <<3+<<4=4>>=7>>7.\n#### 7", "7", "unbalanced"),
+    ("It is <<3+4=7 and 7.\n#### 7", "7", "unbalanced"),
+    ("It is <<1000001*1=1000000>>1000000.\n#### 1000000", "1000000", "other_value"),
 ])
 def test_a_solution_that_cannot_be_run_to_its_annotation_is_dropped_with_its_reason(solution, answer, reason):
     good = {"question": "fine", "answer": "6", "solution": "It is 2*3 = <<2*3=6>>6.\n#### 6"}
@@ -109,6 +113,11 @@ def test_the_values_agree_as_numbers():
     assert calculator.printed("0.1*3") == "0.30000000000000004" and calculator.agrees("0.30000000000000004", "0.3")
     assert calculator.printed("-(3-5)**2 // 3 % 7") == str(-(3 - 5) ** 2 // 3 % 7)
     assert not calculator.agrees("24.0", "24.1") and not calculator.agrees("24", "$24")
+    # whole numbers exactly (issue 91), also past a float's 2**53; a float's rounding near a whole number still agrees
+    assert not calculator.agrees("1000001", "1000000") and not calculator.agrees("1000001.0", "1000000")
+    assert calculator.agrees("12345678901234567", "12345678901234567")
+    assert not calculator.agrees("12345678901234567", "12345678901234568")
+    assert calculator.printed("0.1*3*10") == "3.0000000000000004" and calculator.agrees("3.0000000000000004", "3")
 
 
 def test_gsm8k_takes_the_text_and_the_tool_style_and_refuses_the_others(capsys):
