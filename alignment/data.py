@@ -319,6 +319,8 @@ def _read_table(path: Path, split: str, flag: str = "--dataset") -> tuple[list[d
             import datasets
             saved = datasets.load_from_disk(str(path))
             if isinstance(saved, datasets.DatasetDict):
+                if split == "all" and split not in saved:  # every row: each named split's, in the folder's order
+                    return [row for name in saved for row in saved[name].to_list()], True
                 if split not in saved:
                     raise UserError(f"{flag} {path} has the splits {', '.join(saved)}, not {split}; save a {split} "
                                     f"split, or save one dataset (its test split is then held out by question).")

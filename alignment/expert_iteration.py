@@ -165,7 +165,7 @@ def main(args: EIArgs) -> dict:
             run.log_rollouts(step + 1, batch.samples[:args.log_rollouts])
             run.say(f"step {step + 1}/{args.n_ei_steps} | {counts['correct_samples']}/{counts['samples']} correct | "
                     f"solved {counts['solved_fraction']:.2f} of {counts['questions']} | fmt "
-                    f"{metrics['format_reward']:.2f} | len {metrics['response_tokens']:.0f} | sft "
+                    f"{_rate(metrics['format_reward'])} | len {metrics['response_tokens']:.0f} | sft "
                     f"{sft.get('sft_loss_first', math.nan):.3f} -> {sft.get('sft_loss', math.nan):.3f} in "
                     f"{sft['sft_steps']} steps | tokens {generated_tokens} | sample {sampled - start:.0f}s sft "
                     f"{done - sampled:.0f}s" + (f" | reward failures {metrics['reward_failures']:.0f}"
@@ -179,6 +179,12 @@ def main(args: EIArgs) -> dict:
                 run.stopped(step + 1)
     bar.close()
     return {"run_dir": str(run.dir), "start_step": run.start_step, "last_metrics": run.metrics()[-1:]}
+
+
+def _rate(value) -> str:
+    """A rate for the step line; a --reward_fn that returns no format_reward leaves it absent (NaN), said as
+    train_rl says it, not as `nan`."""
+    return "absent" if value is None or value != value else f"{value:.2f}"
 
 
 if __name__ == "__main__":

@@ -260,3 +260,17 @@ def test_a_folder_where_a_file_is_expected_and_the_reverse_are_named(tmp_path):
     for name in ("gsm8k", "math500"):
         with pytest.raises(data.UserError, match=r"data.txt is a file where a folder is expected"):
             data.load_dataset(name, data_dir=str(a_file))
+
+
+def test_split_all_of_a_folder_with_named_splits_is_every_split_s_rows(tmp_path):
+    """Issue 91: `--split all` on a `datasets` folder with train and test splits advised saving "a all split"; all is
+    every row, as it is for a file. A split the folder lacks is still refused, naming its splits."""
+    import datasets
+    rows = [{"question": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(5)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:3]),
+                          "test": datasets.Dataset.from_list(rows[3:])}).save_to_disk(str(tmp_path / "folder"))
+    got = data.load_file(str(tmp_path / "folder"), "all")
+    assert [r["question"] for r in got] == [r["question"] for r in rows]
+    assert [r["question"] for r in data.load_file(str(tmp_path / "folder"), "test")] == [r["question"] for r in rows[3:]]
+    with pytest.raises(data.UserError, match="has the splits train, test, not validation"):
+        data.load_file(str(tmp_path / "folder"), "validation")

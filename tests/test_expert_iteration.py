@@ -170,3 +170,14 @@ def test_a_step_never_draws_more_questions_than_the_task_has(tiny_model_dir, tmp
     with pytest.raises(UserError, match=r"--questions_per_step 50 draws 50 questions a step, but .* has \d+ to "
                                         r"train on \(after the held-out ones\): lower it, or raise --rg_size"):
         train_rl.load_questions(args, log=lambda line: None, script="expert_iteration")
+
+
+def test_a_rate_a_user_reward_does_not_return_is_said_absent_as_train_rl_says_it():
+    """Issue 91: expert_iteration's step line printed `fmt nan` for a --reward_fn without format_reward, where
+    train_rl prints `fmt absent`."""
+    from alignment.expert_iteration import _rate
+    from alignment.train_rl import _log_line
+    assert _rate(math.nan) == "absent" and _rate(None) == "absent" and _rate(0.5) == "0.50"
+    line = _log_line({"step": 1, "reward": 0.5, "format_reward": math.nan, "answer_reward": 0.5, "response_tokens": 9,
+                      "loss": 0.1}, 2)
+    assert "fmt absent" in line
