@@ -6,10 +6,15 @@
 
 With `--n_samples k` (and a temperature above 0) it also reports pass@k and maj@k. pass@k: some sample is right,
 i.e. has answer_reward 1 (the built-in graders' and TIR's answer_reward is 1/0 correctness, whatever the reward's
-scale or penalty); absent (null) with a --reward_fn that returns no answer_reward. maj@k: the most common answer, as
-the prompt's grader extracts it, is right; absent with a --reward_fn, whose way of reading an answer (a tolerance,
-a format of its own) the toolkit cannot know. Writes one JSON line per completion and a summary; a --reward_fn that
-failed on every answer ends in one line instead (no summary that reads like a score of 0).
+scale or penalty); absent (null) with a --reward_fn that returns no answer_reward. maj@k: only the answers the prompt's
+grader reads vote (r1_zero: the `</think> <answer> ... </answer>` format; tir: a \\boxed{}; question_only: a box, else
+the last number), compared after normalisation; a problem is right when one answer has more votes than any other and
+was graded right. No vote, or a tie for the most votes, counts wrong, whatever the order of the samples
+(`maj_rule` 2026-12-07 in the summary; earlier figures let unformatted answers vote by their last number and gave
+a tie to the answer seen first). Absent with a --reward_fn, whose way of reading an answer (a tolerance, a format of
+its own) the toolkit cannot know. Writes one JSON line per completion and a summary; a --reward_fn that failed on
+every answer ends in one line instead (no summary that reads like a score of 0). An empty evaluation set, or one
+question asked twice with different answers, is refused in one line before the model loads.
 `evaluate(...)` is the reusable core that SFT and RL call for periodic evaluation.
 """
 
@@ -18,7 +23,6 @@ import json
 import math
 import re
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -26,7 +30,8 @@ import torch
 from alignment import data, delethink, models, rollout, tir
 from alignment.args import EvalArgs, parse, to_dict
 from alignment.errors import UserError, cli
-from alignment.drgrpo_grader import extract_boxed, extract_last_number, normalize, question_only_reward_fn, r1_zero_reward_fn
+from alignment.drgrpo_grader import (extract_boxed, extract_last_number, grade, normalize, question_only_reward_fn,
+                                     r1_zero_reward_fn)
 from alignment.rollout import traces
 from alignment.run import LOCK_FILE, lock_folder, run_config
 from alignment.samplers import make_sampler, pick_backend
@@ -43,6 +48,7 @@ PROMPT_SETTINGS = {
     "tir": (tir.tir_reward_fn, ()),
 }
 CPU_DEFAULT_LIMIT = 100  # about 3-5 minutes for smollm2-135m on 2 cores
+MAJ_RULE = "2026-12-07"  # maj@k's rule (graded answers vote, a tie is wrong), written beside it: older figures differ
 
 
 def make_scorer(args, rows=()):
@@ -54,7 +60,10 @@ def make_scorer(args, rows=()):
         from alignment.user_reward import UserReward, check_columns
         check_columns(args.reward_fn, rows)
         reward = UserReward(args.reward_fn, args.reward_timeout)
-        score = lambda trace_row, row: reward(trace_row.text, row["answer"], row.get("columns", {"question": row["question"]}))  # noqa: E731
+        columns = lambda row: row.get("columns", {"question": row["question"]})  # noqa: E731
+        score = lambda trace_row, row: reward(trace_row.text, row["answer"], columns(row))  # noqa: E731
+        score.many = lambda trace_rows, rows: reward.many([t.text for t in trace_rows], [r["answer"] for r in rows],
+                                                          [columns(r) for r in rows])  # a batched reward: one call
         score.user_reward = reward  # its failures, and its file's hash for the run's config
         return score
     reward_fn, _ = PROMPT_SETTINGS[args.prompt]
@@ -62,6 +71,13 @@ def make_scorer(args, rows=()):
         return lambda trace_row, row: tir.tir_reward_fn(trace_row.text, row["answer"], args.tir_reward_scheme,
                                                         args.exec_penalty, bool(trace_row.stats.get("exec_failed")))
     return lambda trace_row, row: reward_fn(trace_row.text, row["answer"])
+
+
+def score_all(score, trace_rows: list, rows: list[dict]) -> list[dict]:
+    """`score` over many answers (each trace's last row, with its question row): a --reward_fn's in one call of its
+    worker (`score.many`: a batched reward scores them all at once), any other answer by answer."""
+    many = getattr(score, "many", None)
+    return many(trace_rows, rows) if many else [score(t, row) for t, row in zip(trace_rows, rows)]
 
 
 def build_prompts(tokenizer, rows, prompt_name: str, chat_template: bool = False,
@@ -128,13 +144,21 @@ def _refuse_used(out: Path):
 
 
 def extract_answer(response: str, prompt_name: str) -> str | None:
-    """The answer a completion commits to, for majority voting (same rules as the reward functions)."""
-    if prompt_name == "r1_zero":
-        if "<answer>" not in response:
+    """The answer the prompt's grader reads from a completion, for majority voting; None when it reads none, or an
+    empty one (then the sample does not vote). Each branch is its grader's extraction: r1_zero_reward_fn,
+    question_only_reward_fn, tir.tir_reward_fn (tests/test_evaluate.py checks them against each other)."""
+    if prompt_name == "r1_zero":  # the format the reward requires, else no answer at all (not a last-number guess)
+        if "</think> <answer>" not in response or "</answer>" not in response.split("</think> <answer>", 1)[1]:
             return None
-        response = response.rsplit("<answer>", 1)[1].split("</answer>", 1)[0]
-        return extract_boxed(response) or response.strip() or None
-    return extract_boxed(response) or extract_last_number(response)
+        answer = response.split("</think> <answer>", 1)[1].split("</answer>", 1)[0]
+        if "\\boxed" in answer or "\\fbox" in answer:
+            answer = extract_boxed(answer)
+    elif prompt_name == "question_only":
+        answer = extract_boxed(response)
+        answer = extract_last_number(response) if answer is None else answer
+    else:  # tir: the last box; an unboxed or cut-off trace has no answer
+        answer = extract_boxed(response)
+    return answer if answer is not None and normalize(answer) else None
 
 
 def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: SamplingParams | None = None,
@@ -158,7 +182,7 @@ def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: Sam
     seconds = time.perf_counter() - start
     records = []
     # a --reward_fn call that failed scored its sample 0, format and answer too (where other calls return them)
-    scores = zero_failed_parts([score(trace[-1], rows[trace[-1].group_id]) for trace in all_traces])
+    scores = zero_failed_parts(score_all(score, [t[-1] for t in all_traces], [rows[t[-1].group_id] for t in all_traces]))
     for trace, scored in zip(all_traces, scores):
         last = trace[-1]
         rewards = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in scored.items()}  # absent: null
@@ -186,7 +210,9 @@ def evaluate(sampler, tokenizer, rows, prompt_name: str = "r1_zero", params: Sam
         by_problem = [records[i:i + params.n] for i in range(0, len(records), params.n)]
         summary[f"pass@{params.n}"] = _pass_at_k(by_problem)
         summary[f"maj@{params.n}"] = (None if getattr(score, "user_reward", None) is not None else
-                                      _mean(_majority_is_correct(group, prompt_name) for group in by_problem))
+                                      maj_at_k(records, prompt_name))
+        if summary[f"maj@{params.n}"] is not None:
+            summary["maj_rule"] = MAJ_RULE
     return summary, records
 
 
@@ -209,17 +235,32 @@ def _pass_at_k(by_problem) -> float | None:
     return _mean(any(r["answer_reward"] == 1 for r in group) for group in by_problem)
 
 
+def maj_at_k(records: list[dict], prompt_name: str) -> float:
+    """maj@k of evaluate's records (a sample each, naming its problem): the share of problems whose vote is right
+    (bench/gsm8k_card.py recomputes older evaluations' figures with it)."""
+    by_problem = {}
+    for record in records:
+        by_problem.setdefault(record["problem"], []).append(record)
+    return _mean(_majority_is_correct(group, prompt_name) for group in by_problem.values())
+
+
 def _majority_is_correct(records, prompt_name) -> bool:
-    """maj@k: the most common extracted answer (compared after normalisation) is the right one (answer_reward 1)."""
-    votes, correct_by_answer = Counter(), {}
+    """maj@k of one problem. A sample votes with the answer its grader reads (`extract_answer`), compared after
+    normalisation. Right when one answer has more votes than every other and each sample carrying it was graded right
+    (the grader normalises before it compares, so they agree, unless a symbolic check ran out of time: then wrong).
+    No vote counts wrong, and so does a tie for the most votes: the vote picked no answer. Breaking it by position
+    made the figure depend on the order of the samples (reversing a 2-2 tie flipped it), and by the answers' text
+    would favour some answers for no reason; counting it wrong keeps a problem 0 or 1 and maj@k a lower bound of
+    any tie-break."""
+    votes = {}  # normalised answer -> the answer_reward of each sample that gave it
     for record in records:
         answer = extract_answer(record["response"], prompt_name)
-        if answer is None:
-            continue
-        key = normalize(answer)
-        votes[key] += 1
-        correct_by_answer[key] = correct_by_answer.get(key, False) or record["answer_reward"] == 1
-    return bool(votes) and correct_by_answer[votes.most_common(1)[0][0]]
+        if answer is not None:
+            votes.setdefault(normalize(answer), []).append(record["answer_reward"])
+    ranked = sorted(votes.values(), key=len, reverse=True)
+    if not ranked or (len(ranked) > 1 and len(ranked[1]) == len(ranked[0])):
+        return False  # no vote, or a tie for the most votes
+    return all(reward == 1 for reward in ranked[0])
 
 
 def _mean(values) -> float | None:
@@ -241,6 +282,7 @@ def main(args: EvalArgs) -> dict:
                              answer_key=args.answer_key)
     limit = args.limit if args.limit is not None else (0 if device.startswith("cuda") else CPU_DEFAULT_LIMIT)
     subset = rows[:limit] if limit else rows
+    _refuse_unscorable(args, subset)
     backend = pick_backend(args.backend, device)
     why = " (the CPU default; --limit 0 evaluates all)" if args.limit is None and limit else ""
     decoding = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, top_p {args.top_p}"
@@ -259,6 +301,27 @@ def main(args: EvalArgs) -> dict:
             (out / LOCK_FILE).unlink()
             out.rmdir()
         raise
+
+
+def _refuse_unscorable(args: EvalArgs, rows: list[dict]):
+    """No problems is not a score of 0 (it printed "0 of 0 problems" and averages of 0.0), and a prompt asked twice
+    with different answers cannot be right both times: one line each, before the model loads. A copy with the same
+    answer (as the grader compares them) is scored twice, as asked."""
+    where = f"--dataset {args.dataset} --split {args.split}"
+    if not rows:
+        file_test = data.is_file(args.dataset) and args.split == "test"
+        raise UserError(f"{where} holds no problems" + (
+            " (a file's test split is the tenth of its questions a hash holds out, and none of its rows fell there): "
+            "evaluate it with --split all, or add questions." if file_test else ": choose another --split or --dataset."))
+    template, first = data.prompt_template(args.prompt, args.prompt_file), {}  # prompt -> the first problem asking it
+    for i, row in enumerate(rows):
+        j = first.setdefault(data.same_question(data.format_prompt(template, row["question"], row.get("columns"))), i)
+        if j != i and not grade(str(row["answer"]), str(rows[j]["answer"])):
+            which = (f"rows {j + 1} and {i + 1}" if data.is_file(args.dataset) and args.split == "all" else
+                     f"problems {j} and {i} (0-based, as results.jsonl numbers them)")
+            raise UserError(f"{where}: {which} ask the same question ({row['question'][:40]!r}) with different answers "
+                            f"({rows[j]['answer']!r} and {row['answer']!r}), and no answer is right for both: fix the "
+                            f"wrong one, or drop a copy.")
 
 
 def _refuse_a_broken_reward(args: EvalArgs, score, records: list[dict]):

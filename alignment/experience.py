@@ -32,7 +32,7 @@ from alignment.args import TOKEN_LEVEL_ESTIMATORS
 from alignment.estimators import (compute_gae_advantages, compute_reinforce_pp_advantages, compute_rloo_advantages,
                                   explained_variance, kl_penalty, outcome_token_rewards, pool_statistics,
                                   subtract_group_mean, whiten)
-from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts
+from alignment.evaluate import PROMPT_SETTINGS, ROLLOUT_MODES, build_prompts, score_all
 from alignment.grpo import compute_group_normalized_rewards, filter_pools, loss_weights, reward_metrics
 from alignment.errors import UserError
 from alignment.rollout import Rollout, traces
@@ -173,80 +173,157 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     normalisation stays local), with its own seeds; a round is the last when every rank has its share of
     kept groups (a collective decision), and the logged numbers are over all ranks.
 
-    batch = {"traces": kept traces (lists of rows), "raw_rewards": (kept traces,),
-             "metrics": reward and sampling numbers (sampled_tokens: the tokens the policy generated, filtered
-             traces included), "samples": full rollouts for rollouts.jsonl, every sampled trace's, in order,
-             with its reward, format_reward and answer_reward,
-             "seconds": {"sample", "score"}}.
+    The Batch: traces (the kept ones, lists of rows), rewards (kept traces,), metrics (reward and sampling
+    numbers; sampled_tokens: the tokens the policy generated, filtered traces included), samples (full rollouts
+    for rollouts.jsonl, every sampled trace's, in order, with its reward, format_reward and answer_reward),
+    seconds {"sample", "score"}, and with adaptive groups each kept group's pool of rewards.
     """
     questions = args.rollout_batch_size // args.group_size  # per round, over all ranks
-    share, rank = questions // distributed.world_size(), distributed.rank()
+    share = questions // distributed.world_size()
     wanted = share * args.group_size  # kept traces this rank needs
-    filtering = args.filter_low is not None or args.filter_high is not None
-    stop = PROMPT_SETTINGS[args.prompt][1]
-    kept, raw_rewards, metas, samples, mode_rows, lengths, contexts = [], [], [], [], [], [], []
-    adaptive_groups, kept_pools, grown = args.group_size_max > args.group_size, [], []
-    seconds, failures = {"sample": 0.0, "score": 0.0}, 0.0
+    adaptive_groups = args.group_size_max > args.group_size
+    tally = _Tally()
+
+    def generate(prompt_ids, params):  # the run's rollout mode
+        return ROLLOUT_MODES[args.rollout_mode](sampler, tokenizer, prompt_ids, params, args)
     for sampling_round in range(1, args.max_sampling_rounds + 1):
+        # 1. This rank's share of the round's questions, a group of traces each, every trace scored.
         start = time.perf_counter()
-        asked = questions_at(rows, drawn + rank * share, share, args.seed)
+        asked = questions_at(rows, drawn + distributed.rank() * share, share, args.seed)
         drawn += questions
-        prompt_texts, prompt_ids = build_prompts(tokenizer, asked, args.prompt, args.chat_template, args.prompt_file)
-        params = SamplingParams(n=args.group_size, temperature=args.sampling_temperature, top_p=args.sampling_top_p,
-                                max_tokens=args.sampling_max_tokens, min_tokens=args.sampling_min_tokens, stop=stop,
-                                logprobs=True,
-                                seed=derive_seed(args.seed, step, sampling_round, *(("rank", rank) if rank else ())))
-        round_traces = traces(ROLLOUT_MODES[args.rollout_mode](sampler, tokenizer, prompt_ids, params, args))
-        seconds["sample"] += time.perf_counter() - start
-        start = time.perf_counter()
-        # a trace's last row holds its whole text
-        scores = [score(t[-1], asked[t[-1].group_id]) for t in round_traces]
-        failures += sum(s.get("reward_failed", 0.0) for s in scores)  # a --reward_fn's calls that scored 0
-        raw = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
-        # the reward numbers are of the first group_size samples per question: comparable across runs
-        metas.append(reward_metrics(raw, scores, args.group_size))
-        mode_rows += [t[-1] for t in round_traces]
-        lengths += [sum(sum(r.loss_mask) for r in t) for t in round_traces]  # sampled tokens per trace
-        contexts += [[len(r.prompt_ids) + len(r.response_ids) for r in t] for t in round_traces]  # per row
-        samples += [{"prompt": prompt_texts[t[-1].group_id], "response": t[-1].text, "reward": r,
-                     "format_reward": s.get("format_reward"), "answer_reward": s.get("answer_reward"),
-                     "ground_truth": asked[t[-1].group_id]["answer"], "rows": len(t), "stats": t[-1].stats}
-                    for t, r, s in zip(round_traces, raw.tolist(), scores)]
-        seconds["score"] += time.perf_counter() - start
-        if adaptive_groups:  # more samples for the questions without spread (sampling and scoring)
-            start = time.perf_counter()
-            round_traces, scores, pools, numbers = adaptive.grow_groups(
-                args, step, sampling_round, lambda ids, p: ROLLOUT_MODES[args.rollout_mode](sampler, tokenizer, ids, p, args),
-                prompt_ids, params, round_traces, scores, lambda t, group: score(t[-1], asked[group]))
-            raw = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
-            grown.append(numbers)
-            seconds["sample"] += time.perf_counter() - start
-        n, keep = args.group_size, torch.ones(len(round_traces), dtype=torch.bool)
-        if filtering:  # a filter reads what it filters: with adaptive groups, each whole grown pool
-            groups = pools if adaptive_groups else [scores[g * n:(g + 1) * n] for g in range(len(scores) // n)]
-            accuracy = [torch.tensor([float(s["answer_reward"]) for s in g]) for g in groups]
-            if any(a.isnan().any() for a in accuracy):
-                raise UserError("--filter_low / --filter_high read each answer's answer_reward, which --reward_fn "
-                                "does not return: return it in the reward's dict, or drop the filter.")
-            keep = filter_pools([torch.tensor([s["reward"] for s in g], dtype=torch.float32) for g in groups],
-                                accuracy, args.filter_low, args.filter_high).repeat_interleave(n)
-        for i in keep.nonzero().flatten().tolist():
-            kept.append(round_traces[i])
-            raw_rewards.append(raw[i])
-            if adaptive_groups and i % n == 0:
-                kept_pools.append(torch.tensor([s["reward"] for s in pools[i // n]], dtype=torch.float32))
-        if not filtering or sampling_round == args.max_sampling_rounds:
+        prompt_texts, prompt_ids, params, round_traces = _sample_round(args, step, sampling_round, asked, tokenizer,
+                                                                       generate)
+        tally.seconds["sample"] += time.perf_counter() - start
+        scores, raw = _score_round(args, tally, round_traces, asked, prompt_texts, score)
+        # 2. Adaptive groups: more samples for the questions without spread (sampling and scoring).
+        pools = None
+        if adaptive_groups:
+            round_traces, scores, pools, raw = _grow_groups(args, tally, step, sampling_round, generate, prompt_ids,
+                                                            params, round_traces, scores,
+                                                            lambda t, group: score(t[-1], asked[group]))
+        # 3. Dynamic sampling: keep the groups the filters pass.
+        _keep(tally, _kept_traces(args, scores, pools), round_traces, raw, pools, args.group_size)
+        # 4. Another round only while some rank holds fewer kept traces than its share.
+        if not _another_round(args, tally, wanted, step, sampling_round, questions, stopping):
             break
-        short, asked_to_stop = distributed.global_sums([len(kept) < wanted, stopping()])  # one collective a round
-        if not short:  # every rank holds its share
-            break
-        if asked_to_stop:  # any rank's stop stops all
-            raise SamplingStopped(f"stopped in step {step + 1}'s sampling round {sampling_round}")
-        if distributed.rank() == 0:
-            tqdm.write(f"[rl] step {step + 1}: {len(kept)} of {wanted} traces kept after sampling round {sampling_round}"
-                       f"; round {sampling_round + 1} of at most {args.max_sampling_rounds} (--max_sampling_rounds) "
-                       f"samples {questions} more questions")
-    kept, raw_rewards, kept_pools = kept[:wanted], raw_rewards[:wanted], kept_pools[:wanted // args.group_size]
+    # 5. One batch of kept traces, with the numbers of every trace sampled.
+    kept, rewards = tally.kept[:wanted], tally.kept_rewards[:wanted]
+    metrics = _batch_metrics(args, tally, len(kept), questions)
+    return Batch(kept, torch.stack(rewards) if kept else torch.zeros(0), metrics, tally.samples, tally.seconds,
+                 pools=tally.kept_pools[:wanted // args.group_size] if adaptive_groups else None), drawn
+
+
+@dataclass
+class _Tally:
+    """What a step's sampling rounds gather: the kept traces, and the numbers of every trace sampled."""
+
+    kept: list = field(default_factory=list)  # the kept traces (whole groups, in order), each a list of rows
+    kept_rewards: list = field(default_factory=list)  # each kept trace's reward (0-d tensors)
+    kept_pools: list = field(default_factory=list)  # adaptive groups: each kept group's pool of rewards
+    metas: list = field(default_factory=list)  # each round's reward_metrics
+    last_rows: list = field(default_factory=list)  # each sampled trace's last row (tir's metrics)
+    lengths: list = field(default_factory=list)  # sampled tokens per trace
+    contexts: list = field(default_factory=list)  # per trace, each row's prompt + response tokens
+    samples: list = field(default_factory=list)  # full rollouts for rollouts.jsonl
+    grown: list = field(default_factory=list)  # adaptive groups: each round's adaptive.grow_groups numbers
+    seconds: dict = field(default_factory=lambda: {"sample": 0.0, "score": 0.0})
+    failures: float = 0.0  # a --reward_fn's calls that scored 0
+
+
+def _sample_round(args, step: int, sampling_round: int, asked: list[dict], tokenizer, generate):
+    """The prompts of the round's questions and their traces: --group_size each, with this round's seeds (and
+    this rank's, under torchrun)."""
+    rank = distributed.rank()
+    prompt_texts, prompt_ids = build_prompts(tokenizer, asked, args.prompt, args.chat_template, args.prompt_file)
+    params = SamplingParams(n=args.group_size, temperature=args.sampling_temperature, top_p=args.sampling_top_p,
+                            max_tokens=args.sampling_max_tokens, min_tokens=args.sampling_min_tokens,
+                            stop=PROMPT_SETTINGS[args.prompt][1], logprobs=True,
+                            seed=derive_seed(args.seed, step, sampling_round, *(("rank", rank) if rank else ())))
+    return prompt_texts, prompt_ids, params, traces(generate(prompt_ids, params))
+
+
+def _score_round(args, tally: _Tally, round_traces, asked: list[dict], prompt_texts: list[str], score):
+    """Each trace's scores and reward (a trace's last row holds its whole text), tallied with its lengths and its
+    full rollout: every sampled trace is logged, kept or not."""
+    start = time.perf_counter()
+    scores = score_all(score, [t[-1] for t in round_traces], [asked[t[-1].group_id] for t in round_traces])
+    tally.failures += sum(s.get("reward_failed", 0.0) for s in scores)  # a --reward_fn's calls that scored 0
+    raw = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
+    # the reward numbers are of the first group_size samples per question: comparable across runs
+    tally.metas.append(reward_metrics(raw, scores, args.group_size))
+    tally.last_rows += [t[-1] for t in round_traces]
+    tally.lengths += [sum(sum(r.loss_mask) for r in t) for t in round_traces]  # sampled tokens per trace
+    tally.contexts += [[len(r.prompt_ids) + len(r.response_ids) for r in t] for t in round_traces]  # per row
+    tally.samples += [{"prompt": prompt_texts[t[-1].group_id], "response": t[-1].text, "reward": r,
+                       "format_reward": s.get("format_reward"), "answer_reward": s.get("answer_reward"),
+                       "ground_truth": asked[t[-1].group_id]["answer"], "rows": len(t), "stats": t[-1].stats}
+                      for t, r, s in zip(round_traces, raw.tolist(), scores)]
+    tally.seconds["score"] += time.perf_counter() - start
+    return scores, raw
+
+
+def _grow_groups(args, tally: _Tally, step: int, sampling_round: int, generate, prompt_ids, params, round_traces,
+                 scores, score_trace):
+    """Adaptive groups (alignment/adaptive.py): the round's groups grown where they lack spread, each cut back to
+    --group_size traces; their scores, each group's whole pool of scores, and the cut groups' rewards."""
+    start = time.perf_counter()
+    round_traces, scores, pools, numbers = adaptive.grow_groups(args, step, sampling_round, generate, prompt_ids,
+                                                                params, round_traces, scores, score_trace)
+    raw = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
+    tally.grown.append(numbers)
+    tally.seconds["sample"] += time.perf_counter() - start
+    return round_traces, scores, pools, raw
+
+
+def _filtering(args) -> bool:
+    return args.filter_low is not None or args.filter_high is not None
+
+
+def _kept_traces(args, scores: list[dict], pools) -> torch.Tensor:
+    """(traces,) bool: the traces of the groups dynamic sampling keeps (every one without a filter). A filter reads
+    what it filters: with adaptive groups, each whole grown pool."""
+    n = args.group_size
+    if not _filtering(args):
+        return torch.ones(len(scores), dtype=torch.bool)
+    groups = pools if pools is not None else [scores[g * n:(g + 1) * n] for g in range(len(scores) // n)]
+    accuracy = [torch.tensor([float(s["answer_reward"]) for s in g]) for g in groups]
+    if any(a.isnan().any() for a in accuracy):
+        raise UserError("--filter_low / --filter_high read each answer's answer_reward, which --reward_fn "
+                        "does not return: return it in the reward's dict, or drop the filter.")
+    return filter_pools([torch.tensor([s["reward"] for s in g], dtype=torch.float32) for g in groups],
+                        accuracy, args.filter_low, args.filter_high).repeat_interleave(n)
+
+
+def _keep(tally: _Tally, keep: torch.Tensor, round_traces, raw: torch.Tensor, pools, n: int):
+    """Add the kept traces to the tally, with their rewards and (adaptive groups) each kept group's pool."""
+    for i in keep.nonzero().flatten().tolist():
+        tally.kept.append(round_traces[i])
+        tally.kept_rewards.append(raw[i])
+        if pools is not None and i % n == 0:
+            tally.kept_pools.append(torch.tensor([s["reward"] for s in pools[i // n]], dtype=torch.float32))
+
+
+def _another_round(args, tally: _Tally, wanted: int, step: int, sampling_round: int, questions: int, stopping) -> bool:
+    """Whether dynamic sampling draws a further round: while some rank holds fewer than its share of kept traces,
+    up to --max_sampling_rounds (one collective a round, so every rank decides alike). A stop asked for on any
+    rank gives the step up (`SamplingStopped`)."""
+    if not _filtering(args) or sampling_round == args.max_sampling_rounds:
+        return False
+    short, asked_to_stop = distributed.global_sums([len(tally.kept) < wanted, stopping()])
+    if not short:  # every rank holds its share
+        return False
+    if asked_to_stop:  # any rank's stop stops all
+        raise SamplingStopped(f"stopped in step {step + 1}'s sampling round {sampling_round}")
+    if distributed.rank() == 0:
+        tqdm.write(f"[rl] step {step + 1}: {len(tally.kept)} of {wanted} traces kept after sampling round {sampling_round}"
+                   f"; round {sampling_round + 1} of at most {args.max_sampling_rounds} (--max_sampling_rounds) "
+                   f"samples {questions} more questions")
+    return True
+
+
+def _batch_metrics(args, tally: _Tally, kept_traces: int, questions: int) -> dict:
+    """The step's reward and sampling numbers, over every trace sampled on every rank."""
+    metas, lengths, contexts, grown = tally.metas, tally.lengths, tally.contexts, tally.grown
     metrics = {key: sum(m[key] for m in metas) / len(metas) for key in metas[0]}  # rounds are of equal size
     metrics = {"reward": metrics.pop("reward_mean"), "format_reward": metrics.get("format_reward_mean", 0.0),
                "answer_reward": metrics.get("answer_reward_mean", 0.0), "zero_std_groups": metrics["zero_std_fraction"],
@@ -256,7 +333,7 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
                # cache it needs); means over every sampling round's traces (growth rounds aside), as response_tokens
                "attention_pairs": sum(n * (n + 1) // 2 for rows in contexts for n in rows) / len(contexts),
                "context_tokens": sum(max(rows) for rows in contexts) / len(contexts),
-               "kept_traces": len(kept), "sampling_rounds": len(metas), "questions_sampled": len(metas) * questions}
+               "kept_traces": kept_traces, "sampling_rounds": len(metas), "questions_sampled": len(metas) * questions}
     if grown:  # adaptive groups: samples per question, share with spread, and every sampled token
         means = ("samples_per_question", "spread_fraction", "balanced_fraction")
         metrics.update({key: sum(g[key] for g in grown) / len(grown) for key in means})
@@ -264,14 +341,12 @@ def collect_rollouts(args, step: int, drawn: int, rows, sampler, tokenizer, scor
     metrics["sampled_tokens"] = sum(lengths) + sum(g["growth_tokens"] for g in grown)
     if args.reward_fn:
         metrics.pop("reward_failed_mean", None)
-        metrics["reward_failures"] = failures  # first-round scores of every sampling round (growth aside)
+        metrics["reward_failures"] = tally.failures  # first-round scores of every sampling round (growth aside)
     if args.rollout_mode == "tir":
-        metrics.update(tir.tir_metrics(mode_rows, [s["reward"] for s in samples]))
+        metrics.update(tir.tir_metrics(tally.last_rows, [s["reward"] for s in tally.samples]))
     counts = ("kept_traces", "questions_sampled", "sampled_tokens", "reward_failures")  # summed over ranks; the rest are means of equal shares
     totals = distributed.global_sums(list(metrics.values()))
-    metrics = {k: v / (1 if k in counts else distributed.world_size()) for k, v in zip(metrics, totals)}
-    return Batch(kept, torch.stack(raw_rewards) if kept else torch.zeros(0), metrics, samples, seconds,
-                 pools=kept_pools if adaptive_groups else None), drawn
+    return {k: v / (1 if k in counts else distributed.world_size()) for k, v in zip(metrics, totals)}
 
 
 def build_experience(args, batch: Batch, policy, reference, critic, autocast) -> Experience:

@@ -8,26 +8,45 @@ is refused before any model loads (`check_columns`). It returns a real number (a
 numpy scalar), or a dict with `reward` and optionally `format_reward` and `answer_reward` (evaluate's three
 metrics; one it does not return is reported as absent, not as zero; pass@k reads answer_reward 1 as right).
 
-It runs as the built-in grader's slow checks do (alignment/grading_worker.py): in a worker process that imports
-the file once and forks a child per call, killed at `--reward_timeout` (at most a day). A call that passes its time,
-raises, or returns something that is not a finite real number scores that sample 0 and is counted (`reward_failed`); it
-never stops or hangs the run. The same function scores training and evaluation; its file's sha256 goes into
-the run's config, so a resume after the file changed is refused unless asked for.
+A batched reward, for one that scores many answers at once (a reward model, a verifier), says so with an attribute:
+
+    def name(responses: list[str], ground_truths: list[str], columns: list[dict]) -> list[float | dict]
+    name.batched = True
+
+It gets lists (one entry per answer; `columns[i]` is answer i's row) and returns a list (a tuple, a 1-D array) of
+the same length, each entry as above. `UserReward.many` sends it a whole list in one call; one answer is a list of one.
+
+It runs in one worker process per run, started as `python -P` with the user's import path (a file's own folder
+first, then the working directory and the run's sys.path, never alignment/: `import evaluate` is Hugging Face's),
+which imports the file once and calls the function for every answer: what it loads, caches or imports stays for
+the next call. `--reward_timeout` (at most a day) bounds each call of the function, a batched call as a whole. A call
+that passes its time, raises, or returns something that is not a finite real number scores its sample 0 (a batched
+call that raises, passes its time or returns a wrong length: each of its samples) and is counted (`reward_failed`); it
+never stops or hangs the run. A call past its time, or one that ends the worker (os._exit, a crash), costs its
+samples and the worker: the next call starts a new one (its module state starts over, as at a resume), which
+refuses to load the file if it changed since the run began. The worker leads a process group of its own: what a
+reward forks is killed with it, at close, at a restart and when the run ends (the worker's stdin closing, even by
+kill -9, ends the group). The same function scores training and evaluation; its file's sha256 goes into the run's
+config, so a resume after the file changed is refused unless asked for.
 
 The parent side is stdlib only; this file doubles as the worker's script.
 """
 
+import atexit
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import numbers
 import os
+import queue
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +56,7 @@ START_TIMEOUT_S = 60.0  # the worker imports the user's file once; a loaded mach
 MAX_TIMEOUT_S = 86400.0  # --reward_timeout: a day per call is no bound at all; far above it select() overflows
 ARGUMENTS = ("response", "ground_truth")  # the function's own arguments, which no column may be named
 KEYS = ("format_reward", "answer_reward")  # the optional parts of a reward dict
+PACKAGE_DIR = Path(__file__).resolve().parent  # never on a user's import path (its evaluate.py, data.py, ...)
 
 
 def zero_failed_parts(scores: list[dict]) -> list[dict]:
@@ -82,12 +102,17 @@ def source_hash(spec: str) -> str:
     parent package, whose failure to import is the user's to see in one line)."""
     where, _ = split_spec(spec)
     try:
-        path = where if where.endswith(".py") else getattr(importlib.util.find_spec(where), "origin", None)
+        found = where if where.endswith(".py") else importlib.util.find_spec(where)
     except Exception as e:  # ModuleNotFoundError for a missing parent package, or whatever its __init__ raised
         raise UserError(f"--reward_fn {spec}: no module {where} is importable here ({type(e).__name__}: {e}); "
                         f"give a file path instead.") from None
-    if not path or not Path(path).is_file():
+    if found is None:
         raise UserError(f"--reward_fn {spec}: no module {where} is importable here; give a file path instead.")
+    path = found if isinstance(found, str) else found.origin
+    if not path or not Path(path).is_file():  # os.path is posixpath, frozen into Python; sys is built in
+        raise UserError(f"--reward_fn {spec}: {where} is importable, but it has no source file ({path or 'none'}) "
+                        f"whose sha256 the run could record, so it is no reward of yours: write your reward in a .py "
+                        f"file and give path/to/file.py:function_name.")
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
@@ -101,9 +126,18 @@ def recall_returned(score, records: list[dict]):
                             if isinstance(record.get(name), (int, float)) and not math.isnan(record[name])}
 
 
+def import_path() -> str:
+    """The worker's PYTHONPATH: the working directory and the run's sys.path, without the package's own folder, whose
+    modules would shadow the user's. (A file's own folder goes first once the worker has imported its own modules:
+    `_load`.)"""
+    paths = [os.getcwd(), *sys.path]
+    return os.pathsep.join(dict.fromkeys(p for p in paths if p and Path(p).resolve() != PACKAGE_DIR))
+
+
 class UserReward:
     """`reward(response, ground_truth, columns) -> {reward, format_reward, answer_reward, reward_failed}` (the
-    optional parts NaN when the function does not return them), and `errors`: each failure's line, in order."""
+    optional parts NaN when the function does not return them), `many(responses, ground_truths, columns)` for a list
+    of them, and `errors`: each failed sample's line, in order."""
 
     def __init__(self, spec: str, timeout: float):
         self.spec, self.timeout, self.errors, self.returned = spec, timeout, [], set()  # the parts a call returned
@@ -111,36 +145,24 @@ class UserReward:
         split_spec(spec)
         check_timeout(timeout)
         self.sha256 = source_hash(spec)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p),
-                   ALIGNMENT_REWARD_TIMEOUT=str(timeout))
-        self.proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), spec], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, bufsize=0)
-        self.buffer = b""
-        ready = self._reply(time.monotonic() + START_TIMEOUT_S)
-        if not ready or "error" in ready:
-            try:  # an import that ended the process (os._exit, a crash) is not a slow start
-                ended = self.proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                ended = None
-            self.close()
-            why = (ready["error"] if ready else f"the worker did not start in {START_TIMEOUT_S:.0f} s" if ended is None
-                   else f"the worker ended (exit status {ended}) while importing it; what it printed above says why")
+        self.proc, self.owner = None, os.getpid()  # a forked copy of the run must not end the run's worker
+        atexit.register(self.close)  # a worker that died between calls may have left children behind
+        why = self._start()
+        if why:
             raise UserError(f"--reward_fn {spec}: {why}.")
 
     def __call__(self, response: str, ground_truth: str, columns: dict) -> dict:
-        request = json.dumps({"response": response, "ground_truth": ground_truth, "columns": columns},
-                             default=str) + "\n"
-        try:
-            self.proc.stdin.write(request.encode())
-            reply = self._reply(time.monotonic() + self.timeout + 5.0)  # the worker answers by the timeout itself
-        except (BrokenPipeError, OSError):
-            reply = None
-        if reply is None:  # the worker itself is gone or stuck (it never should be): a failure, and a new worker
-            self.close()
-            kept = self.errors, self.returned, self.told  # the failures so far are still the run's
-            self.__init__(self.spec, self.timeout)
-            self.errors, self.returned, self.told = kept
-            reply = {"error": "the reward worker stopped answering"}
+        return self.many([response], [ground_truth], [columns])[0]
+
+    def many(self, responses: list[str], ground_truths: list[str], columns: list[dict]) -> list[dict]:
+        """One score per answer: a batched function in one call, any other in one call per answer."""
+        if self.batched:
+            replies = self._call(responses, ground_truths, columns)
+        else:
+            replies = [reply for one in zip(responses, ground_truths, columns) for reply in self._call(*map(list, zip(one)))]
+        return [self._score(reply) for reply in replies]
+
+    def _score(self, reply: dict) -> dict:
         if "error" in reply:
             self.errors.append(reply["error"])
             # 0 in the parts an earlier call returned (a step whose calls all fail reads 0, not absent); the batch's
@@ -148,6 +170,48 @@ class UserReward:
             return {"reward": 0.0, **{key: 0.0 if key in self.returned else math.nan for key in KEYS}, "reward_failed": 1.0}
         self.returned.update(key for key in KEYS if key in reply)
         return {"reward": reply["reward"], **{key: reply.get(key, math.nan) for key in KEYS}, "reward_failed": 0.0}
+
+    def _call(self, responses: list[str], ground_truths: list[str], columns: list[dict]) -> list[dict]:
+        """One call of the function in the worker: a reply per answer (a score, or {error}). A worker that is gone
+        is started first (not charged to the call's time); one that passes the time or ends is replaced after it."""
+        if self.proc is None:
+            why = self._start()
+            if why:
+                return [{"error": f"the reward worker did not restart: {why}"}] * len(responses)
+        request = json.dumps({"responses": responses, "ground_truths": ground_truths, "columns": columns}, default=str)
+        try:
+            self.proc.stdin.write(request.encode() + b"\n")
+            reply = self._reply(time.monotonic() + self.timeout)
+        except OSError:  # BrokenPipeError: it ended between calls
+            reply = None
+        if reply is None:
+            try:
+                ended = self.proc.wait(timeout=0.2)  # a worker that closed its end of the pipe is ending
+            except subprocess.TimeoutExpired:
+                ended = None
+            self.close()
+            why = f"it took more than {self.timeout:g} s (--reward_timeout)" if ended is None else \
+                f"it ended the reward worker (exit status {ended})"
+            reply = {"error": f"{why}; the next call starts a new worker"}
+        return reply.get("scores") or [reply] * len(responses)
+
+    def _start(self) -> str | None:
+        """Start the worker and wait for it to import the file: None once it is ready, else why not."""
+        env = dict(os.environ, PYTHONPATH=import_path(), ALIGNMENT_REWARD_SHA256=self.sha256)
+        self.proc = subprocess.Popen([sys.executable, "-P", "-u", os.path.abspath(__file__), self.spec], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, start_new_session=True)
+        self.buffer = b""
+        ready = self._reply(time.monotonic() + START_TIMEOUT_S)
+        if ready and "ready" in ready:
+            self.batched = ready["batched"]
+            return None
+        try:  # an import that ended the process (os._exit, a crash) is not a slow start
+            ended = self.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            ended = None
+        self.close()
+        return (ready["error"] if ready else f"the worker did not start in {START_TIMEOUT_S:.0f} s" if ended is None
+                else f"the worker ended (exit status {ended}) while importing it; what it printed above says why")
 
     def news(self, kinds: int = 5) -> list[str]:
         """The first failure line of each kind not told before (its text up to the first colon: `ValueError`,
@@ -164,11 +228,17 @@ class UserReward:
         return fresh
 
     def _reply(self, deadline: float) -> dict | None:
+        """The worker's next line, or None past `deadline` or once the worker is gone. A child the reward forked
+        holds the pipe open after the worker's end, so its exit is watched too, not only the pipe's end."""
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.buffer:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0:
                 return None
+            if not select.select([fd], [], [], min(left, 0.5))[0]:
+                if self.proc.poll() is not None and not select.select([fd], [], [], 0)[0]:
+                    return None
+                continue
             chunk = os.read(fd, 65536)
             if not chunk:
                 return None
@@ -177,17 +247,31 @@ class UserReward:
         return json.loads(line)
 
     def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        """End the worker and everything in its process group (what the reward forked), in the run's own process."""
+        if self.proc is None or os.getpid() != self.owner:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is empty: nothing left to end
+            pass
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+        self.proc = None
 
 
 # ---------------------------------------------------------------------------------------------------
 # Worker side: everything below runs only in the worker process.
 
 def _load(spec: str):
+    """(the function, whether it is batched), from the file the run recorded and no other."""
     where, name = spec.rpartition(":")[::2]
-    if where.endswith(".py"):
+    recorded, now = os.environ.get("ALIGNMENT_REWARD_SHA256"), source_hash(spec)
+    if recorded and now != recorded:
+        raise RuntimeError(f"its file changed since the run began (sha256 {recorded[:12]} then, {now[:12]} now): "
+                           f"restore it")
+    if where.endswith(".py"):  # its folder first, as `python file.py` has it; added only now, after the worker's own
+        sys.path.insert(0, str(Path(where).resolve().parent))  # imports (a reward file named numbers.py shadowed them)
         loaded = importlib.util.spec_from_file_location(Path(where).stem, where)
         module = importlib.util.module_from_spec(loaded)
         loaded.loader.exec_module(module)
@@ -196,7 +280,15 @@ def _load(spec: str):
     function = getattr(module, name, None)
     if not callable(function):
         raise AttributeError(f"{where} has no function {name}")
-    return function
+    batched = getattr(function, "batched", False) is True
+    form = f"{name}(responses, ground_truths, columns)" if batched else f"{name}(response, ground_truth, **columns)"
+    try:
+        inspect.signature(function).bind_partial(*["x"] * (3 if batched else 2))  # (columns come by name)
+    except ValueError:  # a builtin without a signature: its calls will say
+        pass
+    except TypeError:  # a function of other arguments: every call would fail
+        raise TypeError(f"{name}{inspect.signature(function)} cannot be called as {form}") from None
+    return function, batched
 
 
 def _checked(value) -> dict:
@@ -222,52 +314,62 @@ def _checked(value) -> dict:
     return {key: number(value[key], key) for key in ("reward", *KEYS) if key in value}
 
 
-def _serve(spec: str):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle: it closes our stdin, which ends us
-    replies = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's own copy of stdout
-    os.dup2(2, 1)  # what the user's code prints goes to stderr, never into the replies
+def _error(e: BaseException) -> dict:
+    return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def _answer(function, batched: bool, request: dict) -> dict:
+    """{"scores": one per answer} or, when the whole call failed, {"error": ...} (each of its answers' failure)."""
+    responses, truths, columns = request["responses"], request["ground_truths"], request["columns"]
     try:
-        function = _load(spec)
+        if not batched:
+            values = [function(responses[0], truths[0], **columns[0])]
+        else:
+            values = function(responses, truths, columns)
+            if not isinstance(values, (list, tuple)) and getattr(values, "ndim", None) != 1:
+                raise TypeError(f"a batched reward returns a list, one value per answer, not "
+                                f"{json.dumps(values, default=repr)[:60]}")
+            if len(values) != len(responses):
+                raise TypeError(f"it returned {len(values)} values for {len(responses)} answers")
+    except BaseException as e:  # SystemExit too: the worker serves the next call
+        return _error(e)
+    scores = []
+    for value in values:
+        try:
+            scores.append(_checked(value))
+        except TypeError as e:
+            scores.append(_error(e))
+    return {"scores": scores}
+
+
+def _read(requests, lines: queue.SimpleQueue):
+    """The run's requests into `lines`, read while a call runs: the end of stdin (the run closed it, or is gone,
+    kill -9 included) ends the worker at once, mid-call too, with whatever its calls forked (its process group)."""
+    for line in requests:
+        lines.put(line)
+    if os.getpgid(0) == os.getpid():  # started by UserReward: the group is ours alone
+        os.killpg(0, signal.SIGKILL)
+    os._exit(0)
+
+
+def _serve(spec: str):
+    replies = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's own copies of stdin and stdout
+    requests = os.fdopen(os.dup(0), "r")
+    os.dup2(2, 1)  # what the user's code prints goes to stderr, never into the replies
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # and what it reads is not the run's requests
+    try:
+        function, batched = _load(spec)
     except SystemExit as e:  # exit() at import (a script's guard, argparse): say so, not "did not start"
         print(json.dumps({"error": f"cannot load it (its import raised SystemExit: {e})"}), file=replies)
         return
     except Exception as e:  # the user's file: any error is theirs to see, in one line
         print(json.dumps({"error": f"cannot load it ({type(e).__name__}: {e})"}), file=replies)
         return
-    print(json.dumps({"ready": True}), file=replies)
-    for line in sys.stdin:
-        request = json.loads(line)
-        read_fd, write_fd = os.pipe()
-        child = os.fork()
-        if child == 0:  # one call, in its own process: a hang or a crash takes only it
-            os.close(read_fd)
-            try:
-                result = _checked(function(request["response"], request["ground_truth"], **request["columns"]))
-            except BaseException as e:  # SystemExit too: the child must reach os._exit, not run on as a worker
-                result = {"error": f"{type(e).__name__}: {e}"[:300]}
-            os.write(write_fd, json.dumps(result).encode())
-            os._exit(0)
-        os.close(write_fd)
-        limit, answer = float(os.environ.get("ALIGNMENT_REWARD_TIMEOUT", "10")), b""
-        deadline = time.monotonic() + limit
-        while True:
-            left = deadline - time.monotonic()
-            ready = select.select([read_fd, 0], [], [], max(left, 0))[0] if left > 0 else []
-            if ready == [0]:  # the run sends nothing during a call: its stdin readable is its end (EOF), a run
-                os.kill(child, signal.SIGKILL)  # stopped at once: the call ends with it, not at its time limit
-                os.waitpid(child, 0)
-                return
-            if not ready:
-                os.kill(child, signal.SIGKILL)
-                answer = json.dumps({"error": f"it took more than {limit:g} s (--reward_timeout)"}).encode()
-                break
-            chunk = os.read(read_fd, 65536)
-            if not chunk:
-                break
-            answer += chunk
-        os.close(read_fd)
-        os.waitpid(child, 0)
-        print((answer or b'{"error": "it ended its process without an answer"}').decode(), file=replies)
+    print(json.dumps({"ready": True, "batched": batched}), file=replies)
+    lines = queue.SimpleQueue()
+    threading.Thread(target=_read, args=(requests, lines), daemon=True).start()
+    while True:
+        print(json.dumps(_answer(function, batched, json.loads(lines.get()))), file=replies)
 
 
 if __name__ == "__main__":

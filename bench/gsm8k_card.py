@@ -18,7 +18,13 @@ test split is never trained on (GSM8K's train and test share no question; tests/
 Stages are bench/steps_demo.py's (owned, locked, resumed after a stop, done only when their recorded flags match).
 Writes <out>/gsm8k_card.md: stage x arm (x seed) with 95% intervals, wall time, tokens sampled, tool statistics, a
 tally of 50 failures per evaluation (<out>/failures-<stage>.md holds them, to be read one by one), and nanochat's
-row beside them. A stage not run yet is a "-" cell: `--card` writes the card from whatever has run.
+row beside them. A stage not run yet is a "-" cell: `--card` writes the card from whatever has run. A figure computed by
+a rule since changed is marked †, with a note under the table: maj@8 before 2026-12-07 (evaluate's vote then let
+answers its grader would not read vote by their last number, and gave a tie to the answer seen first; an evaluation
+whose records survive is recomputed instead) and "ignores output" before 2026-12-07 (a box with a unit or a dollar
+sign, `\\boxed{18 apples}`, counted as ignoring a printed 18). A kept row says which rules made it (`maj_rule`,
+`ignores_rule`; a row without them is older). Usage errors (flags, or a folder they name, that cannot be run as
+given) are one line and exit 2; a stage or a file that fails, exit 1.
 """
 
 import argparse
@@ -37,7 +43,7 @@ from steps_demo import (NAME, ROOT, STAGES_FILE, Stage, check_flags, joined, one
                         refuse_driver_flags, run_all, times, write_own, write_record)
 
 from alignment.calculator import MAX_TOOL_CALLS
-from alignment.drgrpo_grader import extract_boxed
+from alignment.drgrpo_grader import extract_boxed, grade
 from alignment.errors import UserError
 from alignment.run import read_jsonl
 
@@ -61,6 +67,15 @@ K, PASSK_LIMIT, TEMPERATURE = 8, 400, "1.0"  # pass@k and maj@k at RL's sampling
 RL = {"group_size": "16", "questions": "4", "learning_rate": "1e-5", "eval_every": "10", "eval_limit": "100"}
 NANOCHAT = {"model": "nanochat d20 (561M, from scratch, 8 x H100)", "mid": 0.0250, "sft": 0.0455, "rl": 0.0758}
 FAILURES = 50  # failures per evaluation written out to be read one by one
+IGNORES_RULE, OLD_RULE = "2026-12-07", "pre-2026-12-07"  # the rule of "ignores output" (the box as graded); older rows'
+STALE = "†"  # after a kept figure that an older rule computed
+
+
+def usage_error(message: str):
+    """A command this driver cannot run as given (its flags, or the folder they name): one line, exit 2, as
+    argparse's complaints (`one_line`); a stage or a file that fails while it runs exits 1."""
+    print(f"{NAME} error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def sft_command(model: str, arm: str, run_dir: Path, examples: int) -> list[str]:
@@ -116,8 +131,8 @@ def check_inputs(args):
         for read in every[name].reads:
             if read not in running and not every[read].finished():
                 kind = read.split("-")[0]
-                sys.exit(f"{NAME} error: {name} reads {read}, which has not finished: run --stages {kind} (or add "
-                         f"{kind} to --stages) first.")
+                usage_error(f"{name} reads {read}, which has not finished: run --stages {kind} (or add {kind} to "
+                            f"--stages) first.")
 
 
 def chosen(name: str, kinds: set[str]) -> bool:
@@ -151,16 +166,14 @@ def outputs(response: str) -> list[str]:
 
 
 def ignores_output(response: str) -> bool:
-    """A tool answer that ran code but whose boxed number is none of the numbers its code printed (a heuristic:
-    the final answer of most GSM8K solutions is the last calculation's result)."""
+    """A tool answer that ran code but whose box is none of the numbers its code printed, compared as the grader
+    compares an answer with a gold (`\\boxed{18 apples}` and `\\boxed{\\$18}` are a printed 18; a float() of the box
+    once counted them as ignoring it). A heuristic: the final answer of most GSM8K solutions is the last calculation's
+    result."""
     seen, answer = outputs(response), extract_boxed(response)
     if not seen or answer is None:
         return False
-    try:
-        value = float(answer.replace(",", "").strip().strip("$"))
-    except ValueError:
-        return True
-    return not any(math.isclose(value, float(n), rel_tol=1e-6, abs_tol=1e-9) for n in seen)
+    return not any(grade(answer, printed) for printed in seen)
 
 
 def failure_kind(record: dict) -> str:
@@ -199,6 +212,22 @@ def write_failures(name: str, records: list[dict], out: Path) -> dict:
                                                                            "wrong answer")}
 
 
+def majority(summary: dict, records: list[dict]) -> tuple[float | None, str | None]:
+    """(maj@k, the rule that computed it): the summary's own when evaluate wrote it by its rule of now (`maj_rule`),
+    else recomputed from the records by that rule; as written, and OLD_RULE, when they cannot say (no config naming
+    the prompt whose grader reads the votes)."""
+    k = summary.get("n_samples", 1)
+    value, prompt = summary.get(f"maj@{k}"), summary.get("config", {}).get("prompt")
+    if value is None:
+        return None, None  # no figure (a --reward_fn's)
+    from alignment.evaluate import MAJ_RULE, maj_at_k  # (it imports torch: only when there is a figure)
+    if summary.get("maj_rule") == MAJ_RULE:
+        return value, MAJ_RULE
+    if prompt is None or len(records) != summary["count"] * k:
+        return value, OLD_RULE
+    return maj_at_k(records, prompt), MAJ_RULE
+
+
 def evaluation(name: str, out: Path) -> dict | None:
     """An evaluation's figures, or None when it has not run."""
     folder = out / name
@@ -208,6 +237,8 @@ def evaluation(name: str, out: Path) -> dict | None:
     records = list(read_jsonl(folder / "results.jsonl"))
     right = sum(bool(r.get("answer_reward")) for r in records)
     used = [r for r in records if r.get("stats", {}).get("used_code")]
+    if summary.get("n_samples", 1) > 1:
+        summary[f"maj@{summary['n_samples']}"], summary["maj_rule"] = majority(summary, records)
     return {**summary, "right": right, "n": len(records), "interval": wilson(right, len(records)),
             "tokens": sum(r["n_tokens"] for r in records),
             "calls": statistics.mean(r["stats"].get("tool_calls", 0) for r in records) if records else math.nan,
@@ -270,15 +301,31 @@ def keep_rows(keep: Path, made: dict) -> list[dict]:
         if made.get(name, {}).get("key") == row.get("key"):
             continue  # this run's own row, in the table already
         label = f"{name} ({row.get('date')}, {row.get('commit')}, {row.get('cpu')})"
-        rows.append({**row, "line": f"| {label} |" + line.removeprefix(f"| {name} |"),
+        line, stale = mark_stale(line, row)
+        rows.append({**row, "line": f"| {label} |" + line.removeprefix(f"| {name} |"), "stale": stale, "label": label,
                      "rl": row["rl"].replace(f"- {name}:", f"- {label}:", 1) if row.get("rl") else None})
     return rows
+
+
+STALE_COLUMNS = {5: ("maj_rule", f"maj@{K}"), 7: ("ignores_rule", "ignores output")}  # a card line's cells, by index
+
+
+def mark_stale(line: str, row: dict) -> tuple[str, list[str]]:
+    """A kept row's line with STALE after each figure that an older rule computed (its `maj_rule` or `ignores_rule`
+    is OLD_RULE, or absent: rows kept before 2026-12-07), and the names of those figures. No records come with a
+    kept row, so they cannot be recomputed."""
+    cells, stale = line.split(" | "), []  # "| name", arm, answer, format, pass@K, maj@K, tokens, tool figures, ...
+    for index, (rule, figure) in STALE_COLUMNS.items():
+        if row.get(rule, OLD_RULE) == OLD_RULE and cells[index] != "-" and not cells[index].endswith(STALE):
+            cells[index] += STALE  # (the tool cell ends with its "ignores output" share)
+            stale.append(figure)
+    return " | ".join(cells), stale
 
 
 def write_card(args, out: Path, seconds: dict):
     """The report card: one row per trained model and arm (and the rows --keep holds from other runs); nanochat's
     rows beside them."""
-    made = {}
+    made, marked = {}, []  # marked: the rows with a figure of an older rule, and which
     counts = {name: evaluation(name, out) for name in (f"{p}{m}" for p in ("eval-", f"pass{K}-") for arm in args.arms
                                                           for m in [f"sft-{arm}"] + [f"rl-{arm}-seed{s}" for s in args.seeds])}
     greedy_n = sorted({e["n"] for name, e in counts.items() if e and name.startswith("eval-")})
@@ -309,17 +356,29 @@ def write_card(args, out: Path, seconds: dict):
                 answer, tools, fails = "-", "-", "-"
             wall = f"{(seconds.get(name) or 0) / 60:.0f} + {sum(seconds.get(p + name) or 0 for p in ('eval-', f'pass{K}-')) / 60:.0f} min"
             tokens = f"{rl['tokens'] if rl else '-'} + {sum(e['tokens'] for e in evals)}"
+            maj = cell(sampled and sampled.get(f"maj@{K}"))
+            maj_rule = sampled["maj_rule"] if sampled else None  # (the card recomputed it where the records allow)
             lines.append(f"| {name} | {arm} | {answer} | {cell(greedy and greedy['avg_format_rewards'])} | "
-                         f"{cell(sampled and sampled.get(f'pass@{K}'))} | {cell(sampled and sampled.get(f'maj@{K}'))} | "
+                         f"{cell(sampled and sampled.get(f'pass@{K}'))} | {maj} | "
                          f"{cell(greedy and greedy['mean_response_tokens'], 0)} | {tools} | {fails} | {wall} | {tokens} |")
+            lines[-1], stale = mark_stale(lines[-1], {"maj_rule": maj_rule, "ignores_rule": IGNORES_RULE})
+            if stale:
+                marked.append(f"{name} ({', '.join(stale)})")
             if greedy:
                 made[name] = {"line": lines[-1], "rl": rl_line(name, rl) if rl else None,
-                              "key": hashlib.sha256((out / f"eval-{name}" / "summary.json").read_bytes()).hexdigest()[:12]}
+                              "key": hashlib.sha256((out / f"eval-{name}" / "summary.json").read_bytes()).hexdigest()[:12],
+                              "maj_rule": maj_rule, "ignores_rule": IGNORES_RULE}
     kept = keep_rows(args.keep, made) if args.keep else []
     lines += [row["line"] for row in kept]
+    marked += [f"{row['label']} ({', '.join(row['stale'])})" for row in kept if row["stale"]]
     lines += [f"| {NANOCHAT['model']}, after SFT | calculator | {NANOCHAT['sft']:.4f} | | | | | | | | |",
-              f"| {NANOCHAT['model']}, after RL | calculator | {NANOCHAT['rl']:.4f} | | | | | | | | |", "",
-              "RL runs: steps, mean training reward, share of groups that carried a gradient, time split (sample / train "
+              f"| {NANOCHAT['model']}, after RL | calculator | {NANOCHAT['rl']:.4f} | | | | | | | | |", ""]
+    if marked:  # (no records to recompute them from)
+        lines += [f"{STALE} computed by a rule since changed, not comparable with unmarked figures: maj@{K} before "
+                  "2026-12-07 (answers the grader would not read voted by their last number; a tie went to the answer "
+                  "seen first), ignores output before 2026-12-07 (a box with a unit or a dollar sign counted as ignoring "
+                  f"the printed number). Marked: {'; '.join(marked)}.", ""]
+    lines += ["RL runs: steps, mean training reward, share of groups that carried a gradient, time split (sample / train "
               "of the step's time), generated tokens a second."]
     for arm in args.arms:
         for seed in args.seeds:
@@ -380,9 +439,8 @@ def main():
     args = parse_args()
     os.environ.setdefault("ALIGNMENT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
     if args.card and not (args.out / STAGES_FILE).is_file():
-        sys.exit(f"{NAME} error: --out {args.out} " + ("holds no stage this driver ran" if args.out.is_dir() else
-                                                      "does not exist") +
-                 ": run the stages first (without --card), or name the folder they wrote.")
+        usage_error(f"--out {args.out} " + ("holds no stage this driver ran" if args.out.is_dir() else "does not exist")
+                    + ": run the stages first (without --card), or name the folder they wrote.")
     # every RL stage's flags (--rl_flags included) are checked now, also when this call runs only SFT
     check_flags([s for s in plan(argparse.Namespace(**{**vars(args), "stages": ["rl"]}), args.out)])
     if not args.card:

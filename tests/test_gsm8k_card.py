@@ -68,11 +68,14 @@ def test_bad_flags_are_one_line(tmp_path, capsys):
 
 
 def test_rl_without_its_sft_says_to_run_the_sft_stage(tmp_path, capsys):
-    """`--stages rl` before any SFT failed inside train_rl, whose message suggested --model (moot here)."""
+    """`--stages rl` before any SFT failed inside train_rl, whose message suggested --model (moot here). A usage
+    error: exit 2 and one line, as a bad flag's (it was exit 1)."""
     args = gsm8k_card.parse_args(["--arms", "text", "--seeds", "0", "--stages", "rl", "--out", str(tmp_path / "c")])
-    with pytest.raises(SystemExit, match=r"rl-text-seed0 reads sft-text, which has not finished: run "
-                                         r"--stages sft \(or add sft to --stages\) first"):
+    with pytest.raises(SystemExit) as exit:
         gsm8k_card.check_inputs(args)
+    [line] = capsys.readouterr().err.splitlines()
+    assert exit.value.code == 2 and line.endswith(" error: rl-text-seed0 reads sft-text, which has not finished: run "
+                                                  "--stages sft (or add sft to --stages) first."), line
     gsm8k_card.check_inputs(gsm8k_card.parse_args(["--arms", "text", "--seeds", "0", "--stages", "sft", "rl",
                                                    "--out", str(tmp_path / "c")]))  # it runs first: fine
 
@@ -82,6 +85,13 @@ def test_ignores_output_reads_the_printed_numbers_and_the_box():
     assert not gsm8k_card.ignores_output(quoted)  # 24 is 24.0
     assert gsm8k_card.ignores_output(quoted.replace("\\boxed{24}", "\\boxed{25}"))
     assert not gsm8k_card.ignores_output("no code. The answer is \\boxed{3}.")  # no output: not counted
+    # the box as the grader reads it: a unit, a dollar sign, a thousands comma (float() of the box counted the first two)
+    printed = "```python\nprint(12 + 6)\n```\n```output\n18\n```\nSo "
+    for box in ("18 apples", "\\$18", "$18", "18.00", "\\text{18 apples}"):
+        assert not gsm8k_card.ignores_output(printed + f"\\boxed{{{box}}}."), box
+    for box in ("19 apples", "\\$19", "18 or 19"):
+        assert gsm8k_card.ignores_output(printed + f"\\boxed{{{box}}}."), box
+    assert not gsm8k_card.ignores_output("```output\n1,200\n```\n\\boxed{1200}")
     assert gsm8k_card.outputs("```output\n1,200 and 3.5\n```") == ["1200", "3.5"]
 
 
@@ -166,7 +176,8 @@ def test_the_cards_header_says_what_the_runs_held(tmp_path):
 def test_card_alone_on_a_missing_folder_and_moot_flags_are_one_line(tmp_path):
     missing = subprocess.run([sys.executable, "bench/gsm8k_card.py", "--card", "--out", str(tmp_path / "none")],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert missing.returncode == 1 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1  # a usage error, as argparse's: exit 2, one line
     for argv in (["--card", "--overwrite"], ["--card", "--stages", "sft"], ["--stages", "eval", "eval"]):
         with pytest.raises(SystemExit):
             gsm8k_card.parse_args(argv + ["--out", str(tmp_path / "c")])
@@ -179,7 +190,7 @@ def test_the_card_never_replaces_a_file_it_did_not_write(tmp_path):
     (mine / "gsm8k_card.md").write_text("report draft v3 - do not lose\n")
     done = subprocess.run([sys.executable, "bench/gsm8k_card.py", "--card", "--out", str(mine)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1 and "holds no stage this driver ran" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 2 and "holds no stage this driver ran" in done.stderr and "Traceback" not in done.stderr
     (mine / "stages.json").write_text("{}")  # a folder of the driver's: its card, once edited, is kept too
     with pytest.raises(SystemExit, match="is not the file this driver last wrote"):
         gsm8k_card.write_own(mine / "gsm8k_card.md", "card\n")
@@ -224,3 +235,55 @@ def test_kept_rows_outlive_their_folder_and_join_a_later_card(tmp_path):
     (keep / "notes.json").write_text("[1, 2]")
     with pytest.raises(gsm8k_card.UserError, match="notes.json is not a row this driver kept"):
         gsm8k_card.write_card(later, later.out, {})
+
+
+def sampled_eval(folder: Path, summary: dict, responses: list[str]):
+    """A pass@8 evaluation of one problem (gold 18, the r1_zero prompt), as alignment.evaluate writes it."""
+    from alignment.drgrpo_grader import r1_zero_reward_fn
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"count": 1, "n_samples": 8, "pass@8": 1.0, **summary}))
+    rows = [{"prompt": "User: q\nAssistant:", "response": text, "ground_truth": "18", "problem": 0, "sample": i,
+             "n_tokens": 5, "finish_reason": "stop", "stats": {}, **r1_zero_reward_fn(text, "18")}
+            for i, text in enumerate(responses)]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_an_older_maj_is_recomputed_from_its_records_or_marked(tmp_path):
+    """maj@8 written by evaluate's rule before 2026-12-07 (unformatted answers voted, a tie went to the first): the
+    card recomputes it from the records where the summary names its prompt, and marks it where it cannot."""
+    right, wrong = " x </think> <answer> 18 </answer>", " x </think> <answer> 20 </answer>"
+    tie = [right] * 4 + [wrong] * 4  # the old rule: right (seen first); now a tie, wrong
+    args = gsm8k_card.parse_args(["--arms", "text", "--seeds", "0", "--out", str(tmp_path / "c")])
+    two_problem_greedy_eval(args.out / "eval-sft-text")
+    sampled_eval(args.out / "pass8-sft-text", {"maj@8": 1.0, "config": {"prompt": "r1_zero"}}, tie)
+    two_problem_greedy_eval(args.out / "eval-rl-text-seed0")
+    sampled_eval(args.out / "pass8-rl-text-seed0", {"maj@8": 1.0}, tie)  # no config: which grader cannot be told
+    gsm8k_card.write_card(args, args.out, {})
+    card = (args.out / "gsm8k_card.md").read_text()
+    assert "| sft-text | text | 0.5000 [0.0945, 0.9055] | 1.000 | 1.000 | 0.000 |" in card  # recomputed
+    assert "| rl-text-seed0 | text | 0.5000 [0.0945, 0.9055] | 1.000 | 1.000 | 1.000† |" in card
+    assert "Marked: rl-text-seed0 (maj@8)." in card and "sft-text (maj@8)" not in card
+
+
+def test_kept_figures_of_an_older_rule_are_marked_and_of_this_one_not(tmp_path):
+    """The rows kept before 2026-12-07 (docs/gsm8k_card) carry no records: their maj@8 and "ignores output" are
+    marked, by their maj_rule / ignores_rule or by having none."""
+    keep = tmp_path / "kept"
+    keep.mkdir()
+    line = "| {} | tool | 0.0743 [0.0613, 0.0897] | 0.971 | 0.215 | 0.083 | 118 | 2.78 / 3 / 0.06 | 3 / 0 / 0 / 47 | - | - |"
+    rules = {"old": {"maj_rule": "pre-2026-12-07", "ignores_rule": "pre-2026-12-07"}, "unsaid": {},
+             "new": {"maj_rule": "2026-12-07", "ignores_rule": gsm8k_card.IGNORES_RULE}}
+    for kind, rule in rules.items():
+        name = f"rl-tool-{kind}"
+        (keep / f"{name}-abc.json").write_text(json.dumps({"name": name, "line": line.format(name), "rl": None,
+                                                           "key": "abc", **rule, "date": "2026-12-04", "commit": "c",
+                                                           "cpu": "avx2"}))
+    args = gsm8k_card.parse_args(["--arms", "tool", "--seeds", "0", "--out", str(tmp_path / "c"), "--keep", str(keep)])
+    args.out.mkdir()
+    gsm8k_card.write_card(args, args.out, {})
+    card = (args.out / "gsm8k_card.md").read_text()
+    for kind in ("old", "unsaid"):
+        assert re.search(rf"\| rl-tool-{kind} \(.*\) \| tool \| .* \| 0\.215 \| 0\.083† \| 118 \| 2\.78 / 3 / 0\.06† \|", card)
+        assert f"rl-tool-{kind} (2026-12-04, c, avx2) (maj@8, ignores output)" in card
+    assert re.search(r"\| rl-tool-new \(.*\) \| tool \| .* \| 0\.215 \| 0\.083 \| 118 \| 2\.78 / 3 / 0\.06 \|", card)
+    assert "rl-tool-new (2026" not in card.split("Marked: ")[1]

@@ -105,6 +105,7 @@ def test_own_data_flags_are_checked_when_parsed(own, capsys):
              (RLArgs, ["--reward_fn", "rewards"], "write path/to/file.py:function_name"),
              (RLArgs, ["--reward_fn", str(own / "nope.py") + ":f"], "nope.py does not exist"),
              (EvalArgs, ["--prompt_file", str(own / "none.prompt")], "none.prompt does not exist"),
+             (EvalArgs, ["--prompt_file", str(own)], f"{own} is a folder, not a file; name the template file"),
              (EvalArgs, ["--dataset", str(own / "none.jsonl")], "none.jsonl does not exist")]
     (own / "bare.prompt").write_text("Answer this.")
     cases.append((EvalArgs, ["--prompt_file", str(own / "bare.prompt")], "has no {question}"))
@@ -662,11 +663,10 @@ def test_the_reward_worker_and_its_call_end_when_the_run_is_gone(own):
     import sys
     import time
     from alignment import user_reward
-    env = dict(os.environ, ALIGNMENT_REWARD_TIMEOUT="60")
     worker = subprocess.Popen([sys.executable, user_reward.__file__, f"{own / 'rewards.py'}:hangs"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-    assert json.loads(worker.stdout.readline()) == {"ready": True}
-    worker.stdin.write(json.dumps({"response": "1", "ground_truth": "1", "columns": {}}).encode() + b"\n")
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert json.loads(worker.stdout.readline()) == {"ready": True, "batched": False}
+    worker.stdin.write(json.dumps({"responses": ["1"], "ground_truths": ["1"], "columns": [{}]}).encode() + b"\n")
     worker.stdin.flush()
     time.sleep(1.0)  # the call is running (it sleeps 60 s)
     start = time.monotonic()
