@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from alignment.errors import one_line_error
-from alignment.grpo import LOSS_TYPES
-from alignment.recipe import read_recipe, take_config
+from alignment.folders import saved_checkpoint
+from alignment.recipe import read_recipe, recipe_value_refused, take_config
+
+LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip", "gspo")  # alignment/grpo.py's losses
 
 
 def arg(default, help: str, choices: tuple | None = None, group: str | None = None):
@@ -82,7 +84,7 @@ def parse(cls, argv=None):
     argv = _negative_values_joined([_underscored(word) for word in (sys.argv[1:] if argv is None else argv)])
     try:  # --config FILE is no flag of the dataclass (a resume must not see it as a changed training flag)
         argv, recipe_path = take_config(argv)
-        recipe, recipe_given = read_recipe(recipe_path, cls, SCRIPTS) if recipe_path else ({}, set())
+        recipe, recipe_given = read_recipe(recipe_path, cls, SCRIPTS, SAME_FLAG) if recipe_path else ({}, set())
     except ValueError as e:
         one_line_error(str(e))
     parser = build_parser(cls)
@@ -105,6 +107,7 @@ def parse(cls, argv=None):
                            if k in values and k not in given and k not in ("resume", "overwrite", "output_dir",
                                                                           *ONE_RESUME)})
         args = cls(**values)
+        check_recipe_values(args, from_recipe, recipe_path)  # a recipe's bad value, named by file and key
         check_values(args)  # a value out of range is named as such first
         moot = args.moot() if hasattr(args, "moot") else {}
         if getattr(args, "backend", None) == "hf":  # every script: vLLM's engine options, with no engine
@@ -136,7 +139,6 @@ def _saved_flags(run_folder: str, cls) -> dict:
     except (OSError, ValueError, AttributeError):
         owner = None
     try:
-        from alignment.models import saved_checkpoint  # (torch and transformers: only on --resume)
         checkpoint = saved_checkpoint(Path(run_folder) / "checkpoint")  # also a save a crash cut short
         return json.loads((checkpoint / "run_config.json").read_text()) if owner in (None, _script(cls)) else {}
     except (OSError, ValueError):
@@ -248,30 +250,53 @@ def check_values(args):
     """Every field one of its choices, every number within its range (POSITIVE, AT_LEAST_ZERO, AT_MOST_ONE)
     and finite; None means unset."""
     for name in ("dataset", "eval_dataset"):  # an rg: spec's form, before the run folder is made
-        if str(getattr(args, name, "") or "").startswith("rg:"):
-            from alignment.data import rg_options
-            rg_options(getattr(args, name)[3:])
+        check_rg_spec(getattr(args, name, None))
     for f in fields(args):
-        value, choices = getattr(args, f.name), f.metadata.get("choices")
-        if choices and value is not None and value not in choices:
-            raise ValueError(f"--{f.name} {value!r} is not one of {', '.join(map(str, choices))}.")
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if not math.isfinite(value):
-            raise ValueError(f"--{f.name} must be a finite number, not {value}.")
-        if f.name in ABOVE_ONE and value <= 1:
-            raise ValueError(f"--{f.name} must be above 1, not {value}.")
-        if f.name in POSITIVE and value <= 0:
-            raise ValueError(f"--{f.name} must be greater than 0, not {value}.")
-        if f.name in AT_LEAST_ZERO and value < 0:
-            raise ValueError(f"--{f.name} must be 0 or more, not {value}.")
-        if f.name in AT_MOST_ONE and value > 1:
-            raise ValueError(f"--{f.name} is a fraction: at most 1, not {value}.")
-        if f.name == "rg_size" and value > MAX_RG_SIZE:  # generated in memory before anything else prints
-            raise ValueError(f"--rg_size {value} is above {MAX_RG_SIZE:,} problems (generated at start, in memory; "
-                             f"GSM8K's training split has 7,473): lower it.")
-        if f.name == "seed" and not 0 <= value < 2**63:  # what torch.manual_seed and the samplers take
-            raise ValueError(f"--seed must be 0 or more and below 2**63, not {value}.")
+        check_value(f, getattr(args, f.name))
+
+
+def check_recipe_values(args, recipe_keys: set, recipe_path: str):
+    """The values a recipe gave (those the command line did not override), each checked as check_values checks
+    it, a refusal naming the recipe file and the key (docs/recipes.md)."""
+    for f in fields(args):
+        if f.name in recipe_keys:
+            value = getattr(args, f.name)
+            try:
+                if f.name in ("dataset", "eval_dataset"):
+                    check_rg_spec(value)
+                check_value(f, value)
+            except ValueError as e:
+                raise recipe_value_refused(recipe_path, f.name, value, str(e)) from None
+
+
+def check_rg_spec(value):
+    if str(value or "").startswith("rg:"):
+        from alignment.data import rg_options
+        rg_options(value[3:])
+
+
+def check_value(f, value):
+    """One field's value: one of its choices, a number within its range."""
+    choices = f.metadata.get("choices")
+    if choices and value is not None and value not in choices:
+        raise ValueError(f"--{f.name} {value!r} is not one of {', '.join(map(str, choices))}.")
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if not math.isfinite(value):
+        raise ValueError(f"--{f.name} must be a finite number, not {value}.")
+    if f.name in ABOVE_ONE and value <= 1:
+        raise ValueError(f"--{f.name} must be above 1, not {value}.")
+    if f.name in POSITIVE and value <= 0:
+        raise ValueError(f"--{f.name} must be greater than 0, not {value}.")
+    if f.name in AT_LEAST_ZERO and value < 0:
+        raise ValueError(f"--{f.name} must be 0 or more, not {value}.")
+    if f.name in AT_MOST_ONE and value > 1:
+        raise ValueError(f"--{f.name} is a fraction: at most 1, not {value}.")
+    if f.name == "rg_size" and value > MAX_RG_SIZE:  # generated in memory before anything else prints
+        raise ValueError(f"--rg_size {value} is above {MAX_RG_SIZE:,} problems (generated at start, in memory; "
+                         f"GSM8K's training split has 7,473): lower it.")
+    if f.name == "seed" and not 0 <= value < 2**63:  # what torch.manual_seed and the samplers take
+        raise ValueError(f"--seed must be 0 or more and below 2**63, not {value}.")
 
 
 # Flags that hold for the one --resume they are typed on: never inherited by a later resume, saved as false (an
@@ -333,6 +358,8 @@ class OwnDataArgs:
     def check_own_data(self):
         if self.prompt_file:
             path = Path(self.prompt_file)
+            if path.is_dir():
+                raise ValueError(f"--prompt_file {path} is a folder, not a file; name the template file itself.")
             if not path.is_file():
                 raise ValueError(f"--prompt_file {path} does not exist; check the path.")
             from alignment.data import read_prompt_file
@@ -455,8 +482,8 @@ class LoraArgs:
     lora_target_modules: str = arg("all-linear", "layers that get adapters: all-linear (every linear layer of the decoder; not the output head) or comma-separated module names, e.g. q_proj,v_proj")
 
     def check_lora(self):
-        from alignment.distributed import launched
-        if self.lora_rank and launched():  # before the process group starts (torchrun then adds its own summary)
+        launched = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1  # distributed.launched, without its torch
+        if self.lora_rank and launched:  # before the process group starts (torchrun then adds its own summary)
             raise ValueError(LORA_UNDER_TORCHRUN)
         if self.lora_dropout >= 1:
             raise ValueError(f"--lora_dropout {self.lora_dropout} would drop every input of the adapters: use less than 1.")

@@ -3,7 +3,7 @@
 A run folder's top level holds the names in RUN_FILES; each checkpoint folder lists the files its save wrote in
 MANIFEST, so a file the user put inside `checkpoint/` (notes, an evaluation) is told apart from the weights. A
 checkpoint saved before the manifest existed is read by the names a save writes (LEGACY_NAMES). Stdlib only:
-models.py (the save) and run.py (the refusal) both use it.
+models.py (the save), run.py (the refusal) and args.py (a resumed run's flags, `saved_checkpoint`) use it.
 """
 
 import fnmatch
@@ -62,3 +62,15 @@ def carry_foreign(old: Path, new: Path):
     for name in foreign_in_checkpoint(old):
         (new / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(old / name, new / name, follow_symlinks=False)
+
+
+def saved_checkpoint(out_dir: str | Path) -> Path:
+    """Where the last finished save of `out_dir` is, also when a crash cut save_checkpoint off between its two
+    renames (`out_dir` moved aside to .old, the finished .tmp not yet in place): then the .tmp (complete before
+    .old was made), else the .old. Reads only; models.finish_interrupted_save moves it into place. args.py reads a
+    resumed run's flags from it before anything imports torch."""
+    out_dir = Path(out_dir)
+    tmp, old = (out_dir.with_name(out_dir.name + suffix) for suffix in (".tmp", ".old"))
+    if out_dir.exists() or not old.exists():
+        return out_dir
+    return tmp if tmp.exists() else old

@@ -15,10 +15,10 @@ from collections.abc import Callable
 import einx
 import torch
 
+from alignment.args import LOSS_TYPES  # (the flag's choices, defined where the flags are: args.py imports no torch)
 from alignment.estimators import clamped_log_ratio, compute_gspo_loss, kl_penalty
 from alignment.user_reward import zero_failed_parts
 
-LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip", "gspo")
 CLIPPED_LOSSES = ("grpo_clip", "gspo")  # the losses that report clip_fraction
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "trace-length")
 

@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from alignment import attention, distributed, folders, lora
+from alignment.folders import saved_checkpoint
 from alignment.errors import MissingFileError, UserError
 from alignment.tokens import check_output_head
 
@@ -313,17 +314,6 @@ def _write_checkpoint(model, tokenizer, out_dir: Path, tmp: Path, main: bool, fu
             os.replace(out_dir, old)
         os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
-
-
-def saved_checkpoint(out_dir: str | Path) -> Path:
-    """Where the last finished save of `out_dir` is, also when a crash cut save_checkpoint off between its two
-    renames (`out_dir` moved aside to .old, the finished .tmp not yet in place): then the .tmp (complete before
-    .old was made), else the .old. Reads only; finish_interrupted_save moves it into place."""
-    out_dir = Path(out_dir)
-    tmp, old = (out_dir.with_name(out_dir.name + suffix) for suffix in (".tmp", ".old"))
-    if out_dir.exists() or not old.exists():
-        return out_dir
-    return tmp if tmp.exists() else old
 
 
 def finish_interrupted_save(out_dir: str | Path) -> Path:

@@ -39,10 +39,11 @@ def take_config(argv: list[str]) -> tuple[list[str], str | None]:
     return rest, path
 
 
-def read_recipe(path: str, cls, scripts: dict) -> tuple[dict, set]:
+def read_recipe(path: str, cls, scripts: dict, same_flag: dict) -> tuple[dict, set]:
     """The flags the recipe at `path` sets for `cls` (typed as the command line would give them), and the
     ones that count as given: every key of a TOML recipe; of a run's config.json those that are not the
-    default (a saved config holds every flag, and most of them the run never set)."""
+    default (a saved config holds every flag, and most of them the run never set). `scripts`: each script's
+    dataclass by name; `same_flag`: a flag by the name another script gives the same setting (args.py's)."""
     script = next((name for name, other in scripts.items() if other is cls), cls.__name__)
     try:
         text = Path(path).read_text()
@@ -77,7 +78,7 @@ def read_recipe(path: str, cls, scripts: dict) -> tuple[dict, set]:
         if name in values:
             raise ValueError(f"--config {path}: {name} is given twice ({where[name]} and {table_name}): keep one.")
         if name not in flags:
-            raise ValueError(f"--config {path}: {_unknown(name, cls, script, scripts)}")
+            raise ValueError(f"--config {path}: {_unknown(name, cls, script, scripts, same_flag)}")
         values[name], where[name] = _typed(path, flags[name], value), table_name
     defaults = {name: f.default for name, f in flags.items()}
     given = {name for name, value in values.items() if not saved_run or value != defaults[name]}
@@ -105,12 +106,22 @@ def _typed(path: str, f, value):
     if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
         return value
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
-    shown = json.dumps(value) if isinstance(value, (bool, str, type(None))) else repr(value)
-    raise ValueError(f"--config {path}: {f.name} = {shown}, but --{f.name} takes {expected}"
+    raise ValueError(f"--config {path}: {f.name} = {_shown(value)}, but --{f.name} takes {expected}"
                      f"{' (leave it out for the default)' if type(None) in kinds else ''}.")
 
 
-def _unknown(name: str, cls, script: str, scripts: dict) -> str:
+def recipe_value_refused(path: str, name: str, value, reason: str) -> ValueError:
+    """A recipe's value of the right type that its flag's own check refused (`reason`: what the command line would
+    have been told), as one line naming the file and the key."""
+    return ValueError(f"--config {path}: {name} = {_shown(value)}: {reason}")
+
+
+def _shown(value) -> str:
+    """A value as the recipe wrote it: TOML's and JSON's spelling of strings and switches."""
+    return json.dumps(value) if isinstance(value, (bool, str, type(None))) else repr(value)
+
+
+def _unknown(name: str, cls, script: str, scripts: dict, same_flag: dict) -> str:
     """What to say about a key that is no flag of `cls`: a switch written as its --no_ form, a flag of another
     script, or a near miss of one of its own."""
     own = [f.name for f in fields(cls)]
@@ -119,8 +130,7 @@ def _unknown(name: str, cls, script: str, scripts: dict) -> str:
     owners = [f"alignment.{other}" for other, other_cls in scripts.items()
               if other != script and name in {f.name for f in fields(other_cls)}]
     if owners:
-        from alignment.args import SAME_FLAG
-        same = SAME_FLAG.get(name)
+        same = same_flag.get(name)
         return f"{name} is a flag of {' and '.join(owners)}, not of alignment.{script}" + (
             f"; its own is {same}." if same in own else " (see --help).")
     guess = difflib.get_close_matches(name, own, n=1)

@@ -126,6 +126,38 @@ def test_a_bad_recipe_is_one_line_naming_the_file_and_the_key(tmp_path, capsys, 
     assert says in err and (recipe in err or "from --config" in err), err
 
 
+@pytest.mark.parametrize("text, says", [
+    ('loss_type = "grpo_klip"', 'loss_type = "grpo_klip": --loss_type \'grpo_klip\' is not one of no_baseline, '
+                                'reinforce_with_baseline, grpo_clip, grpo_no_clip, gspo.'),
+    ("n_steps = -5", "n_steps = -5: --n_steps must be greater than 0, not -5."),
+    ("[algorithm]\nkl_coef = -0.1", "kl_coef = -0.1: --kl_coef must be 0 or more, not -0.1."),
+    ("sampling_top_p = 1.5", "sampling_top_p = 1.5: --sampling_top_p is a fraction: at most 1, not 1.5."),
+    ("cliprange = nan", "cliprange = nan: --cliprange must be a finite number, not nan."),
+    ("async_steps = 2", "async_steps = 2: --async_steps 2 is not one of 0, 1."),
+    ('dataset = "rg:chain_sum:max_terms"', 'dataset = "rg:chain_sum:max_terms": rg:chain_sum:max_terms: write task '
+                                           'options as key=value'),
+])
+def test_a_recipes_bad_value_is_one_line_naming_the_file_and_the_key(tmp_path, capsys, text, says):
+    """A value of the right type that its flag refuses (a choice it lacks, a number out of range) is refused as the
+    command line refuses it, in one line that says which file and which key (docs/recipes.md)."""
+    recipe = write(tmp_path, "bad.toml", text + "\n")
+    err = one_error_line(capsys, RLArgs, ["--config", recipe])
+    assert err.startswith(f"error: --config {recipe}: {says}"), err
+
+
+def test_a_bad_value_in_a_saved_config_names_it_and_one_the_command_line_overrides_is_never_read(tmp_path, capsys):
+    flags = {key: value for key, value in to_dict(parse(RLArgs, [])).items()
+             if key not in ("output_dir", "resume", "overwrite")}  # (bookkeeping: skipped in a line of its own)
+    saved = write(tmp_path, "config.json", json.dumps({**flags, "n_steps": -5}))
+    assert one_error_line(capsys, RLArgs, ["--config", saved]) == (
+        f"error: --config {saved}: n_steps = -5: --n_steps must be greater than 0, not -5.")
+    recipe = write(tmp_path, "bad.toml", 'n_steps = -5\nloss_type = "grpo_klip"\n')
+    assert parse(RLArgs, ["--config", recipe, "--n_steps", "3", "--loss_type", "gspo"]).n_steps == 3
+    # and a bad value typed on the command line is said as before, with no recipe to name
+    assert one_error_line(capsys, RLArgs, ["--config", recipe, "--n_steps", "-2", "--loss_type", "gspo"]) == (
+        "error: --n_steps must be greater than 0, not -2.")
+
+
 def test_a_missing_or_unreadable_recipe_is_one_line(tmp_path, capsys):
     assert f"--config {tmp_path}/none.toml: no such file." in one_error_line(
         capsys, RLArgs, ["--config", str(tmp_path / "none.toml")])
