@@ -246,6 +246,101 @@ def check_plan(plan: list[Stage], out: Path, overwrite: bool):
 STOP_WAIT_SECONDS = 600  # a stage asked to stop finishes its step and saves (train_rl); after this it is killed
 
 
+class ForkedStage:
+    """`python -m module args` run in a fork of this driver, which imported the module once (`start_stage`): each
+    stage skips the 8-10 s of torch and transformers imports a fresh interpreter spends (a driver of 8-12 stages,
+    a minute or two). What run_command needs of a subprocess.Popen: wait, send_signal, kill, pid. The child is the
+    script as `python -m` runs it: its own signal handlers (the driver's reset first), ROOT as its folder and first
+    on its path, its output in the stage's log, its exit status (a signal's death as -N)."""
+
+    def __init__(self, module: str, argv: list[str], log):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid, self.returncode = os.fork(), None
+        if self.pid == 0:
+            self._child(module, argv, log)
+
+    @staticmethod
+    def _child(module: str, argv: list[str], log):
+        import atexit
+        import runpy
+        import traceback
+        import warnings
+        code = 1
+        try:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has them; the script
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # sets its own
+            atexit._clear()  # the driver's exit handlers are not the stage's
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            os.chdir(ROOT)
+            sys.path[0] = str(ROOT)  # `python -m` puts the working folder first; the driver had bench/
+            sys.argv = [module, *argv]
+            with warnings.catch_warnings():  # "found in sys.modules ... prior to execution": imported on purpose
+                warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy")
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except KeyboardInterrupt:  # uncaught: die of SIGINT, as python does
+            traceback.print_exc()
+            code = -signal.SIGINT
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            try:
+                atexit._run_exitfuncs()
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                if code < 0:
+                    signal.signal(-code, signal.SIG_DFL)
+                    os.kill(os.getpid(), -code)
+                os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"stage {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, signum: int):
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+FORK_STAGES = os.environ.get("ALIGNMENT_STAGE_PROCESS", "fork") != "spawn" and hasattr(os, "fork")
+
+
+def start_stage(command: list[str], log):
+    """The stage's process: a fork of this driver for `-m alignment.<script>` (the script imported here once, on the
+    first stage), else, or with ALIGNMENT_STAGE_PROCESS=spawn, a fresh `python <command>`. The driver itself
+    computes nothing in torch (no thread pool to inherit), so a fork starts as clean as a new interpreter."""
+    if FORK_STAGES and command[:1] == ["-m"] and command[1].startswith("alignment."):
+        import importlib
+        try:
+            importlib.import_module(command[1])
+        except Exception:  # a broken install: the fresh interpreter's traceback lands in the stage's log
+            pass
+        else:
+            return ForkedStage(command[1], command[2:], log)
+    return subprocess.Popen([sys.executable, *command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
 def run_command(command: list[str], log) -> tuple[int, int]:
     """`python <command>` in ROOT, its output in `log`: (its exit status, the signal this driver got meanwhile or 0).
     A SIGTERM or Ctrl-C to the driver is passed on to the stage (train_rl then stops after its step, with a
@@ -259,7 +354,7 @@ def run_command(command: list[str], log) -> tuple[int, int]:
             process.send_signal(signum)
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        child.append(subprocess.Popen([sys.executable, *command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        child.append(start_stage(command, log))
         for signum, _ in got:  # one that came while it started
             child[0].send_signal(signum)
         while True:

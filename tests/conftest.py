@@ -107,3 +107,24 @@ time.sleep(60)
 """], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
     return holder
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each test module's time (setup, call and teardown of its tests, summed; under xdist each worker's share
+    adds up), slowest first, and the whole: where the suite's budget goes (docs/log.md, "Test suite"). CI also
+    prints the slowest tests (`--durations`)."""
+    seconds, tests = {}, {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            nodeid, duration = getattr(report, "nodeid", None), getattr(report, "duration", None)
+            if not nodeid or duration is None:
+                continue
+            module = nodeid.split("::")[0]
+            seconds[module] = seconds.get(module, 0.0) + duration
+            tests.setdefault(module, set()).add(nodeid)
+    if not seconds:
+        return
+    terminalreporter.section("time per test module (s)")
+    for module, total in sorted(seconds.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{total:8.1f}  {len(tests[module]):4d} tests  {module}")
+    terminalreporter.write_line(f"{sum(seconds.values()):8.1f}  {sum(map(len, tests.values())):4d} tests  in all")

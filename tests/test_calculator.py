@@ -169,9 +169,11 @@ def test_sft_in_the_tool_style_trains_without_the_tools_output_and_evaluates_in_
 
 @pytest.mark.slow
 def test_every_gsm8k_train_solution_is_kept_and_each_block_runs_in_the_sandbox_to_its_annotation(data_dir):
-    """The numbers docs/own_data.md quotes (`uv run -m alignment.calculator --check`, ~7 min on 2 cores)."""
-    result = calculator.check(data.load_gsm8k("train", str(data_dir)))
-    assert (result["rows"], result["kept"], result["blocks"]) == (7473, 7473, 23716)
+    """The numbers docs/algorithms.md quotes: every solution converted, and a fixed thousand of the 23,716 blocks
+    (every 24th) run in the sandbox. All of them, `uv run -m alignment.calculator --check`, took 357 s of the suite
+    (7 min on 2 cores); docs/algorithms.md has that run, bench-style, outside CI (issue 92)."""
+    result = calculator.check(data.load_gsm8k("train", str(data_dir)), sample=1000)
+    assert (result["rows"], result["kept"], result["blocks"], result["ran"]) == (7473, 7473, 23716, 989)
     assert {reason: len(items) for reason, items in result["dropped"].items()} == dict.fromkeys(calculator.REASONS, 0)
     assert result["mismatches"] == [] and result["max_calls"] == calculator.MAX_TOOL_CALLS
 
