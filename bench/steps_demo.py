@@ -273,6 +273,8 @@ class ForkedStage:
             atexit._clear()  # the driver's exit handlers are not the stage's
             os.dup2(log.fileno(), 1)
             os.dup2(log.fileno(), 2)
+            sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)  # fresh streams on the log (the
+            sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # driver's may be a capture's)
             os.chdir(ROOT)
             sys.path[0] = str(ROOT)  # `python -m` puts the working folder first; the driver had bench/
             sys.argv = [module, *argv]

@@ -537,3 +537,26 @@ def test_tir_serve_refuses_a_bad_in_flight_in_one_line_before_anything_loads():
     assert done.returncode == 2 and "usage:" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines() == ["[tir_serve] error: --in_flight '0': give 'room', 'all' or a positive "
                                                 "number of traces. (see --help)"], done.stderr
+
+
+def test_a_forked_stage_is_the_script_as_python_runs_it(tmp_path):
+    """A stage of `-m alignment.<script>` runs in a fork of the driver (no second 9 s import): its output goes to
+    the stage's log, its exit status and a signal's death come back as a subprocess's would, and the driver's own
+    SIGTERM handler is not the stage's."""
+    log_path = tmp_path / "stage.log"
+    with open(log_path, "w") as log:
+        refused = steps_demo.start_stage(["-m", "alignment.calculator", "--bogus"], log)
+        assert isinstance(refused, steps_demo.ForkedStage) and refused.wait(timeout=60) == 2
+    assert "unrecognized arguments: --bogus" in log_path.read_text()
+    previous = signal.signal(signal.SIGTERM, lambda *a: None)  # the driver's handler, as run_command sets one
+    try:
+        with open(log_path, "w") as log:
+            shown = steps_demo.start_stage(["-m", "alignment.calculator", "--show", "0"], log)
+            assert shown.wait(timeout=60) == 0
+            running = steps_demo.start_stage(["-m", "alignment.calculator", "--check"], log)  # minutes of sandbox
+            time.sleep(1.0)
+            running.send_signal(signal.SIGTERM)
+            assert running.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "| model:" in log_path.read_text()
