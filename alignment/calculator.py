@@ -239,17 +239,31 @@ def main(argv=None):
                         "sandbox and print how many solutions are kept and dropped, by reason (a few minutes)")
     parser.add_argument("--show", type=_index, default=None, help="print converted train solution N (0 to 7,472)")
     parser.add_argument("--data_dir", default=None, help="data folder (default $ALIGNMENT_DATA_DIR or dataset/)")
-    parser.add_argument("--sample", type=_index, default=None, help="with --check: run about this many blocks, "
+    parser.add_argument("--sample", type=_count, default=None, help="with --check: run about this many blocks, "
                         "spread evenly over the split, instead of all 23,716 (seconds instead of minutes)")
     parser.add_argument("--workers", type=_index, default=None, help="sandbox processes, from 1 (default: one per core)")
     args = parser.parse_args(argv)
     if not args.check and args.show is None:
         parser.error("say what to do: --check (every block run in the sandbox, a few minutes) or --show N")
-    if args.sample is not None and (not args.check or args.sample < 1):
+    if args.sample is not None and not args.check:
         parser.error("--sample takes a number from 1, with --check (the sandbox runs only there)")
     if args.workers is not None and (not args.check or args.workers < 1):
         parser.error("--workers takes a number from 1, with --check (the sandbox runs only there)")
     cli(_main, args)
+
+
+def _count(text: str) -> int:
+    """An argparse type: a whole number from 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number from 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give a whole number from 1")
+    return value
+
+
+_count.__name__ = "count"  # what argparse names when a value is no number
 
 
 def _index(text: str) -> int:

@@ -245,19 +245,25 @@ def maj_at_k(records: list[dict], prompt_name: str) -> float:
 
 
 def _majority_is_correct(records, prompt_name) -> bool:
-    """maj@k of one problem. A sample votes with the answer its grader reads (`extract_answer`), compared after
-    normalisation. Right when one answer has more votes than every other and each sample carrying it was graded right
+    """maj@k of one problem. A sample votes with the answer its grader reads (`extract_answer`); two answers are one
+    when they normalise alike or the grader counts them equal (`grade`: 18 and 18.0, 1/2 and 0.5). Right when one answer has more votes than every other and each sample carrying it was graded right
     (the grader normalises before it compares, so they agree, unless a symbolic check ran out of time: then wrong).
     No vote counts wrong, and so does a tie for the most votes: the vote picked no answer. Breaking it by position
     made the figure depend on the order of the samples (reversing a 2-2 tie flipped it), and by the answers' text
     would favour some answers for no reason; counting it wrong keeps a problem 0 or 1 and maj@k a lower bound of
     any tie-break."""
-    votes = {}  # normalised answer -> the answer_reward of each sample that gave it
+    votes = []  # (an answer, the answer_reward of each sample whose answer the grader counts equal to it)
     for record in records:
         answer = extract_answer(record["response"], prompt_name)
-        if answer is not None:
-            votes.setdefault(normalize(answer), []).append(record["answer_reward"])
-    ranked = sorted(votes.values(), key=len, reverse=True)
+        if answer is None:
+            continue
+        same = next((vote for vote in votes if normalize(vote[0]) == normalize(answer) or grade(answer, vote[0])),
+                    None)  # 18 and 18.0, 1/2 and 0.5 vote together, as the grader counts them equal
+        if same is None:
+            votes.append((answer, [record["answer_reward"]]))
+        else:
+            same[1].append(record["answer_reward"])
+    ranked = sorted((rewards for _, rewards in votes), key=len, reverse=True)
     if not ranked or (len(ranked) > 1 and len(ranked[1]) == len(ranked[0])):
         return False  # no vote, or a tie for the most votes
     return all(reward == 1 for reward in ranked[0])

@@ -83,6 +83,7 @@ def fine_tune(model, tokenizer, examples: list[dict], args: EIArgs, step: int, d
             "sft_grad_norm": sum(r["grad_norm"] for r in records) / total_steps}
 
 
+@user_reward.closes_workers
 def main(args: EIArgs) -> dict:
     args.check()
     allocator.apply(args.keep_freed_memory)  # each step reusing the last one's memory: faster, more resident

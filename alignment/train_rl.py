@@ -114,6 +114,7 @@ class Models:
     autocast: object  # the forward passes' precision context
 
 
+@user_reward.closes_workers
 def main(args: RLArgs) -> dict:
     # Under torchrun every rank runs this whole loop on its own device, on its share of the questions.
     args.check()

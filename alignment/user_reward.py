@@ -134,6 +134,23 @@ def import_path() -> str:
     return os.pathsep.join(dict.fromkeys(p for p in paths if p and Path(p).resolve() != PACKAGE_DIR))
 
 
+OPEN = []  # the workers this process started and has not closed (closes_workers ends them with the call)
+
+
+def closes_workers(main):
+    """`main` that ends every reward worker it started when it returns or raises (train_rl and expert_iteration
+    called in-process, as tests and notebooks do, left theirs running until the interpreter exited)."""
+    def wrapped(*args, **kwargs):
+        before = len(OPEN)
+        try:
+            return main(*args, **kwargs)
+        finally:
+            for reward in OPEN[before:]:
+                reward.close()
+    wrapped.__name__, wrapped.__doc__, wrapped.__wrapped__ = main.__name__, main.__doc__, main
+    return wrapped
+
+
 class UserReward:
     """`reward(response, ground_truth, columns) -> {reward, format_reward, answer_reward, reward_failed}` (the
     optional parts NaN when the function does not return them), `many(responses, ground_truths, columns)` for a list
@@ -147,6 +164,7 @@ class UserReward:
         self.sha256 = source_hash(spec)
         self.proc, self.owner = None, os.getpid()  # a forked copy of the run must not end the run's worker
         atexit.register(self.close)  # a worker that died between calls may have left children behind
+        OPEN.append(self)
         why = self._start()
         if why:
             raise UserError(f"--reward_fn {spec}: {why}.")
@@ -258,6 +276,8 @@ class UserReward:
         self.proc.stdin.close()
         self.proc.stdout.close()
         self.proc = None
+        if self in OPEN:
+            OPEN.remove(self)
 
 
 # ---------------------------------------------------------------------------------------------------

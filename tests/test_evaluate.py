@@ -190,3 +190,11 @@ def test_one_question_with_two_answers_is_refused_and_with_one_is_scored_twice(t
     assert not (tmp_path / "out").exists()
     same = [{"question": question, "answer": "18"}, {"question": question, "answer": "18.0"}]  # graded alike
     ev._refuse_unscorable(args, same)
+
+
+def test_answers_the_grader_counts_equal_vote_together():
+    """18, 18.0 and 17 (gold 18) split into a 1-1-1 tie that counted wrong, where the grader gives 18.0 full marks
+    (a probe round, 2026-12-07); so did 1/2, 0.5 and 3 (gold 0.5)."""
+    assert ev._majority_is_correct(graded(["\\boxed{18}", "\\boxed{18.0}", "\\boxed{17}"], "tir"), "tir")
+    assert ev._majority_is_correct(graded(["\\boxed{1/2}", "\\boxed{0.5}", "\\boxed{3}"], "tir", gold="0.5"), "tir")
+    assert not ev._majority_is_correct(graded(["\\boxed{17}", "\\boxed{17.0}", "\\boxed{18}"], "tir"), "tir")

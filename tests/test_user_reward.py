@@ -246,3 +246,24 @@ def test_scoring_sends_a_batched_reward_every_answer_at_once(rewards):
         assert reward("x", "1", {"tolerance": "0.5"})["reward"] == 1.0 and reward.errors == []
     finally:
         reward.close()
+
+
+def test_a_run_called_in_process_ends_its_reward_worker(rewards):
+    """train_rl.main and expert_iteration.main called from Python (tests, notebooks) left the worker and what it
+    forked running until the interpreter exited (a probe round, 2026-12-07): closes_workers ends them with the call,
+    on a raise too."""
+    from alignment import expert_iteration, train_rl, user_reward
+    assert train_rl.main.__wrapped__ and expert_iteration.main.__wrapped__  # both mains are wrapped
+    started = []
+
+    @user_reward.closes_workers
+    def run(fail: bool):
+        reward = UserReward(spec(rewards, "pid_or_trouble"), timeout=5.0)
+        started.append(reward.proc.pid)
+        if fail:
+            raise RuntimeError("the run failed")
+        return reward("x", "1", {})["reward"]
+    assert run(False) == float(started[0]) and gone_soon(started[0])
+    with pytest.raises(RuntimeError):
+        run(True)
+    assert gone_soon(started[1]) and user_reward.OPEN == []
