@@ -33,6 +33,7 @@ The parent side is stdlib only; this file doubles as the worker's script.
 """
 
 import atexit
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -140,6 +141,7 @@ OPEN = []  # the workers this process started and has not closed (closes_workers
 def closes_workers(main):
     """`main` that ends every reward worker it started when it returns or raises (train_rl and expert_iteration
     called in-process, as tests and notebooks do, left theirs running until the interpreter exited)."""
+    @functools.wraps(main)  # (its __wrapped__ is `main`)
     def wrapped(*args, **kwargs):
         before = len(OPEN)
         try:
@@ -147,7 +149,6 @@ def closes_workers(main):
         finally:
             for reward in OPEN[before:]:
                 reward.close()
-    wrapped.__name__, wrapped.__doc__, wrapped.__wrapped__ = main.__name__, main.__doc__, main
     return wrapped
 
 
