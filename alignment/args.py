@@ -10,6 +10,7 @@ import difflib
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -122,13 +123,25 @@ def parse(cls, argv=None):
             typed = f"--{name} {value}" if not isinstance(value, bool) else f"--{'' if value else 'no_'}{name}"
             typed += f" (from --config {recipe_path})" if name in from_recipe else ""
             raise ValueError(f"{typed} has no effect {moot[name]}: drop it.")
-        args.check()  # check_values first, then the cross-field rules
-        if isinstance(args, OwnDataArgs):
-            args.check_own_data()
+        try:
+            args.check()  # check_values first, then the cross-field rules
+            if isinstance(args, OwnDataArgs):
+                args.check_own_data()
+        except ValueError as e:
+            raise ValueError(_recipe_named(str(e), from_recipe, recipe_path)) from None
     except ValueError as e:
         one_line_error(str(e))
     args.given_flags = given  # (not a field) a resume names the flags the user changed before what they implied
     return args
+
+
+def _recipe_named(message: str, from_recipe: set, recipe_path: str | None) -> str:
+    """A cross-flag refusal that names a flag the recipe set says so (`group_size = 3` in a recipe against the
+    default --rollout_batch_size 32): the user looks for the value in the file, not on the command line."""
+    named = [name for name in sorted(from_recipe) if re.search(rf"--{name}\b", message)]
+    if not named:
+        return message
+    return f"{message.rstrip('.')} ({', '.join('--' + name for name in named)} from --config {recipe_path})."
 
 
 def _saved_flags(run_folder: str, cls) -> dict:

@@ -27,11 +27,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from alignment.args import RLArgs, parse
+
+if __name__ == "__main__":  # the flags before torch loads: --help and a bad flag answer in 0.1 s, not 9
+    ARGS = parse(RLArgs)
+
 import torch
 from tqdm.auto import tqdm
 
 from alignment import allocator, data, distributed, lora, models, tir, user_reward
-from alignment.args import RLArgs, parse
 from alignment.async_rollouts import RolloutSource
 from alignment.errors import UserError, cli
 from alignment.estimators import compute_rollout_is_weights, compute_value_loss, sampler_mismatch
@@ -609,4 +613,4 @@ def _log_line(m: dict, n_steps: int, critic_warmup_steps: int = 0) -> str:
 
 
 if __name__ == "__main__":
-    cli(main, parse(RLArgs))
+    cli(main, ARGS)

@@ -53,7 +53,7 @@ from pathlib import Path
 
 from alignment.errors import UserError
 
-START_TIMEOUT_S = 60.0  # the worker imports the user's file once; a loaded machine can be slow
+START_TIMEOUT_S = 60.0  # the worker imports the user's file once (or --reward_timeout where longer: a model it loads)
 MAX_TIMEOUT_S = 86400.0  # --reward_timeout: a day per call is no bound at all; far above it select() overflows
 ARGUMENTS = ("response", "ground_truth")  # the function's own arguments, which no column may be named
 KEYS = ("format_reward", "answer_reward")  # the optional parts of a reward dict
@@ -220,7 +220,8 @@ class UserReward:
         self.proc = subprocess.Popen([sys.executable, "-P", "-u", os.path.abspath(__file__), self.spec], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, start_new_session=True)
         self.buffer = b""
-        ready = self._reply(time.monotonic() + START_TIMEOUT_S)
+        start_timeout = max(START_TIMEOUT_S, self.timeout)
+        ready = self._reply(time.monotonic() + start_timeout)
         if ready and "ready" in ready:
             self.batched = ready["batched"]
             return None
@@ -229,8 +230,12 @@ class UserReward:
         except subprocess.TimeoutExpired:
             ended = None
         self.close()
-        return (ready["error"] if ready else f"the worker did not start in {START_TIMEOUT_S:.0f} s" if ended is None
-                else f"the worker ended (exit status {ended}) while importing it; what it printed above says why")
+        if ready:
+            return ready["error"]
+        if ended is None:
+            return (f"its import took more than {start_timeout:g} s (the longer of {START_TIMEOUT_S:g} s and "
+                    f"--reward_timeout): raise --reward_timeout for a file that loads something slow")
+        return f"the worker ended (exit status {ended}) while importing it; what it printed above says why"
 
     def news(self, kinds: int = 5) -> list[str]:
         """The first failure line of each kind not told before (its text up to the first colon: `ValueError`,

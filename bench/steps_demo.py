@@ -593,7 +593,7 @@ def refuse_driver_flags(parser, rl_flags: str, command: list[str]):
                    {word.split("=")[0] for word in rl_flags.split() if word.startswith("--")})
     if clash:
         parser.error(f"--rl_flags may not set {', '.join(clash)}: the driver sets {'it' if len(clash) == 1 else 'them'} "
-                     f"(its RL recipe, folders, steps and evaluations: see the driver's --help)")
+                     f"(its RL recipe, folders, steps and evaluations)")
 
 
 def parse_args(argv: list[str] | None = None):

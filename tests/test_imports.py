@@ -132,3 +132,20 @@ def test_the_flags_parse_without_torch():
             "print(sorted(m for m in ('torch', 'transformers', 'peft', 'vllm') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_the_scripts_answer_help_and_a_bad_flag_before_torch_loads():
+    """`-m alignment.<script> --help` and a bad flag: each script parses its flags before its own imports of torch,
+    transformers and peft (9-10 s of every --help, the 2026-12-07 probe round's find). torch is made unimportable,
+    so a script that imports it before parsing ends in an ImportError instead of its usage."""
+    import subprocess
+    import sys
+    blocked = "import sys, runpy; sys.modules.update(dict.fromkeys(('torch', 'transformers', 'peft', 'vllm')))"
+    for script in ("train_rl", "sft", "evaluate", "expert_iteration"):
+        for flags, status, said in ((["--help"], 0, "usage:"), (["--no_such_flag"], 2, "no_such_flag")):
+            code = f"{blocked}; sys.argv = ['-m', *{flags!r}]; runpy.run_module('alignment.{script}', run_name='__main__')"
+            done = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True,
+                                  timeout=120)
+            assert done.returncode == status and said in done.stdout + done.stderr, (script, flags, done.stderr[-2000:])
+            if status:
+                assert len(done.stderr.strip().splitlines()) == 1, (script, done.stderr)

@@ -115,6 +115,8 @@ def test_the_command_line_overrides_the_recipe_and_values_are_typed_as_flags(tmp
     ("group_size = ", "is not valid TOML: "),
     ("group_size = 4\ngroup_size = 8", "is not valid TOML: "),
     ("lam = 0.9", "--lam 0.9 (from --config "),  # moot without gae, as on the command line
+    # a cross-flag rule against a default: the flag the recipe set is named with its file (the probe round's find)
+    ("group_size = 3", "must be a multiple of --group_size 3 (--group_size from --config "),
 ])
 def test_a_bad_recipe_is_one_line_naming_the_file_and_the_key(tmp_path, capsys, text, says):
     recipe = write(tmp_path, "bad.toml", text + "\n")

@@ -267,3 +267,20 @@ def test_a_run_called_in_process_ends_its_reward_worker(rewards):
     with pytest.raises(RuntimeError):
         run(True)
     assert gone_soon(started[1]) and user_reward.OPEN == []
+
+
+def test_a_slow_import_gets_the_longer_of_the_start_time_and_the_reward_timeout(tmp_path, monkeypatch):
+    """A file that loads something slow at import (a reward model) was cut off after a fixed 60 s whatever
+    --reward_timeout said (the probe round's find): the import gets the longer of the two, and the refusal says
+    which flag to raise."""
+    import alignment.user_reward as user_reward
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(2.0)\n\ndef score(response, ground_truth, **columns):\n"
+                                      "    return 1.0\n")
+    monkeypatch.setattr(user_reward, "START_TIMEOUT_S", 0.5)
+    with pytest.raises(UserError, match=r"its import took more than 0.5 s .* raise --reward_timeout"):
+        UserReward(f"{tmp_path / 'slow.py'}:score", timeout=0.2)
+    reward = UserReward(f"{tmp_path / 'slow.py'}:score", timeout=8.0)
+    try:
+        assert reward("x", "y", {})["reward"] == 1.0
+    finally:
+        reward.close()
