@@ -50,11 +50,11 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 from alignment import data, tir
+from alignment.data import MAX_TOOL_CALLS
 from alignment.errors import UserError, cli, one_line_error
 from alignment.sandbox import ExecResult, Sandbox
 
 ANNOTATION = re.compile(r"<<([^<>]*)>>")  # GSM8K's `<<48/2=24>>`
-MAX_TOOL_CALLS = 9  # the most annotations a GSM8K train solution holds (3 solutions): the budget SFT evaluates with
 MAX_EXPONENT = 64  # a larger power could take the converter's memory; none in GSM8K comes close
 RELATIVE_TOLERANCE = 1e-6
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,

@@ -28,6 +28,9 @@ GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/g
 MATH_STYLE = ("math500", "aime24", "aime25", "amc23", "olympiadbench")
 BUILTIN_FILES = ("gsm8k", *MATH_STYLE)  # sets read from the data folder (a resume compares their files)
 DATASETS = ("gsm8k",) + MATH_STYLE
+# the most calculator annotations a GSM8K train solution holds (3 solutions): the budget the tool style (calculator.py)
+# evaluates with; here, torch-free, for the card driver
+MAX_TOOL_CALLS = 9
 
 
 def resolve_data_dir(data_dir: str | None = None) -> Path:

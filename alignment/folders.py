@@ -3,13 +3,23 @@
 A run folder's top level holds the names in RUN_FILES; each checkpoint folder lists the files its save wrote in
 MANIFEST, so a file the user put inside `checkpoint/` (notes, an evaluation) is told apart from the weights. A
 checkpoint saved before the manifest existed is read by the names a save writes (LEGACY_NAMES). Stdlib only:
-models.py (the save), run.py (the refusal) and args.py (a resumed run's flags, `saved_checkpoint`) use it.
+models.py (the save), run.py (the refusal), args.py (a resumed run's flags, `saved_checkpoint`) and the bench drivers
+(RUN_FILES, LOCK_FILE, read_jsonl: a driver's --help, --card and usage errors load no torch) use it.
 """
 
 import fnmatch
+import json
 import shutil
 from pathlib import Path
 
+from alignment.errors import UserError
+
+LOCK_FILE = ".lock"
+WRITE_PROBE = ".write-test"
+PLOT_FILE = "curves.png"  # alignment.plot's picture of one run, written into its folder by default
+# what a run (or plot) writes into its folder: --overwrite deletes these and refuses a folder holding anything else
+RUN_FILES = {"config.json", "config.json.tmp", "metrics.jsonl", "rollouts.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old",
+             "tensorboard", "wandb", LOCK_FILE, WRITE_PROBE, PLOT_FILE}
 MANIFEST = ".written"  # inside a checkpoint: one relative path a line, every file its save wrote
 CHECKPOINT_DIRS = ("checkpoint", "checkpoint.tmp", "checkpoint.old")  # a save's folder and its two renames
 # a checkpoint saved before MANIFEST (2026-12-07): what save_checkpoint wrote at its top, and its folders
@@ -74,3 +84,19 @@ def saved_checkpoint(out_dir: str | Path) -> Path:
     if out_dir.exists() or not old.exists():
         return out_dir
     return tmp if tmp.exists() else old
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL file; a last line cut off by a crash mid-write is left out, a bad line
+    anywhere else is an error that names it."""
+    if not Path(path).exists():
+        return []
+    lines = Path(path).read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise UserError(f"line {number} of {path} is not JSON; fix or delete that line.") from None
+    return records

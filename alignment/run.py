@@ -40,6 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from alignment import distributed, folders, models
+from alignment.folders import LOCK_FILE, PLOT_FILE, RUN_FILES, WRITE_PROBE, read_jsonl  # (torch-free: the drivers read them)
 from alignment.args import SCRIPTS, saved_dict, to_dict
 from alignment.errors import MissingFileError, StoppedAtOnce, UserError
 
@@ -336,12 +337,6 @@ def _holds_a_run(folder: Path) -> bool:
     return folder.is_dir() and any(p.name not in nothing for p in folder.iterdir())
 
 
-LOCK_FILE = ".lock"
-WRITE_PROBE = ".write-test"
-PLOT_FILE = "curves.png"  # alignment.plot's picture of one run, written into its folder by default
-# what a run (or plot) writes into its folder: --overwrite deletes these and refuses a folder holding anything else
-RUN_FILES = {"config.json", "config.json.tmp", "metrics.jsonl", "rollouts.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old",
-             "tensorboard", "wandb", LOCK_FILE, WRITE_PROBE, PLOT_FILE}
 
 
 def lock_folder(folder: Path):
@@ -418,22 +413,6 @@ def _append_jsonl(path: Path, record: dict):
     record = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()}
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSONL file; a last line cut off by a crash mid-write is left out, a bad line
-    anywhere else is an error that names it."""
-    if not Path(path).exists():
-        return []
-    lines = Path(path).read_text().splitlines()
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number < len(lines):
-                raise UserError(f"line {number} of {path} is not JSON; fix or delete that line.") from None
-    return records
 
 
 def _truncate_jsonl(path: Path, step: int, say=None):

@@ -58,7 +58,7 @@ from pathlib import Path
 from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, one_line, positive, run_all, write_own
 from tir_demo import question, shorten, summary
 
-from alignment.run import read_jsonl
+from alignment.folders import read_jsonl
 from alignment.worked import counted_steps
 
 SUMS = "rg:basic_arithmetic:min_terms={0},max_terms={1},max_digits=1,operators=+,allow_negation=false," \

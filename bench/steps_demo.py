@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from alignment.errors import UserError
-from alignment.run import LOCK_FILE, RUN_FILES, read_jsonl
+from alignment.folders import LOCK_FILE, RUN_FILES, read_jsonl
 from alignment.worked import parse_expression
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from steps_demo import GROUP_SIZE_MAX, LEARNING_RATE, NAME, ROOT, Stage, one_line, positive, run_all, write_own
 
-from alignment.run import read_jsonl
+from alignment.folders import read_jsonl
 
 PRODUCTS = "rg:products:min_terms=2,max_terms=2,min_digits={0},max_digits={1}"
 SFT_TASK, RL_TASK, HARDER_TASK = PRODUCTS.format(1, 2), PRODUCTS.format(3, 3), PRODUCTS.format(4, 4)

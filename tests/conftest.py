@@ -4,8 +4,26 @@ config, so no test downloads anything."""
 import os
 from pathlib import Path
 
-import pytest
-import torch
+
+def _one_core_per_worker():
+    """Under pytest-xdist (CI's `-n 2`), each worker and every process it starts (a stage, a torchrun rank, a vLLM
+    engine) keep to one core of their own, one thread each: two workers' torch and vLLM thread pools, each the
+    machine's size, spun against each other (a driver test took 76 s alone and 143 s beside vLLM's tests).
+    ALIGNMENT_TEST_CORES=all leaves the workers unpinned."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    cores = sorted(os.sched_getaffinity(0))
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not worker.startswith("gw") or os.environ.get("ALIGNMENT_TEST_CORES") == "all" or count < 2 or len(cores) < count:
+        return
+    core = cores[int(worker[2:]) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(core))
+
+
+_one_core_per_worker()  # before torch loads: its thread pool is sized once
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from alignment import models
@@ -128,3 +146,16 @@ def pytest_terminal_summary(terminalreporter):
     for module, total in sorted(seconds.items(), key=lambda item: -item[1]):
         terminalreporter.write_line(f"{total:8.1f}  {len(tests[module]):4d} tests  {module}")
     terminalreporter.write_line(f"{sum(seconds.values()):8.1f}  {sum(map(len, tests.values())):4d} tests  in all")
+
+
+# The slowest modules, slowest first (each module's time in CI's summary, above): under `-n 2 --dist loadfile` a worker
+# takes the next whole module when it finishes one, so the longest go out first and the short ones fill the gaps,
+# instead of the alphabet leaving test_worked and test_vllm to run last on one worker while the other waits.
+SLOWEST_FIRST = ("test_worked", "test_distributed", "test_gsm8k_card", "test_vllm", "test_train_rl", "test_compile",
+                 "test_gpu_pass", "test_bad_input", "test_bench_drivers", "test_own_data", "test_lora", "test_sft")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Modules in SLOWEST_FIRST's order, then the rest as collected; each module's own tests keep their order."""
+    rank = {name: place for place, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(rank)))

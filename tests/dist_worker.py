@@ -1,5 +1,6 @@
 """A worker for the distributed tests: runs `train_rl.main` or `sft.main` in this process, under torchrun or
-alone, with the test's settings (one JSON argument).
+alone, with the test's settings (one JSON argument: one run's, or a list of runs made one after another in the
+same launch, since it is the launch, torch's import and the process group, that costs).
 
 settings: {"script": "rl" | "sft", "args": {...flags...}, "fixed_rollouts": bool, "uneven": bool,
            "engine_report": path}
@@ -39,14 +40,24 @@ def scripted_rollouts(sampler, tokenizer, prompt_ids, params, args):
     return rows
 
 
-def main(settings: dict):
+ORIGINAL = {"compile_backend": models.COMPILE_BACKEND, "standard": experience.ROLLOUT_MODES["standard"],
+            "make_scorer": train_rl.make_scorer, "make_sampler": train_rl.make_sampler}
+
+
+def main(settings: dict | list[dict]):
+    for one in settings if isinstance(settings, list) else [settings]:
+        run(one)
+
+
+def run(settings: dict):
+    """One run; what an earlier run of the launch patched is put back first."""
+    models.COMPILE_BACKEND = settings.get("compile_backend", ORIGINAL["compile_backend"])
+    experience.ROLLOUT_MODES["standard"] = scripted_rollouts if settings.get("fixed_rollouts") else ORIGINAL["standard"]
+    train_rl.make_scorer, train_rl.make_sampler = ORIGINAL["make_scorer"], ORIGINAL["make_sampler"]
     if settings["script"] == "sft":
         return sft.main(SFTArgs(**settings["args"]))
     args = RLArgs(**settings["args"])
     args.check()
-    models.COMPILE_BACKEND = settings.get("compile_backend", models.COMPILE_BACKEND)
-    if settings.get("fixed_rollouts"):
-        experience.ROLLOUT_MODES["standard"] = scripted_rollouts
     mixed = None
     if settings.get("uneven"):  # prompts of the first half of each step's questions
         rows = train_rl.load_questions(args, log=lambda *a: None)[0]
@@ -58,8 +69,8 @@ def main(settings: dict):
         right = float(len(row.text) % 2) if mixed is None or tuple(row.prompt_ids) in mixed else 0.0
         return {"reward": right, "format_reward": 1.0, "answer_reward": right}
     train_rl.make_scorer = lambda args, rows=(): reward
-    made, make_sampler = [], train_rl.make_sampler
-    train_rl.make_sampler = lambda *a, **k: made.append(make_sampler(*a, **k)) or made[-1]
+    made = []
+    train_rl.make_sampler = lambda *a, **k: made.append(ORIGINAL["make_sampler"](*a, **k)) or made[-1]
     train_rl.main(args)
     if settings.get("engine_report"):
         report_engine(made[0], args, settings["engine_report"])

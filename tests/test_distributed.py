@@ -17,9 +17,10 @@ pytestmark = pytest.mark.slow  # each starts torchrun (2 processes on gloo): run
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 
-def run(settings: dict, processes: int, tmp_path: Path, timeout: int = 600,
+def run(settings: dict | list[dict], processes: int, tmp_path: Path, timeout: int = 600,
         torchrun: bool = False) -> subprocess.CompletedProcess:
-    """The worker under torchrun with `processes` processes (torchrun with one too when `torchrun`), else alone."""
+    """The worker under torchrun with `processes` processes (torchrun with one too when `torchrun`), else alone;
+    a list of settings is that many runs, one after another, in the one launch."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
     env.pop("WORLD_SIZE", None)
     env.pop("TORCHELASTIC_RUN_ID", None)
@@ -48,72 +49,89 @@ def read_jsonl(path):
     return [json.loads(line) for line in open(path)]
 
 
-def assert_same_training(tmp_path):
+def assert_same_training(one: Path, two: Path):
     """The gradient norms (before clipping: they see any error in how the loss is normalised, which Adam's
     update would hide) and the losses match, and the parameters after 2 AdamW steps agree to 1e-5. The
     learning rate is small because Adam's first steps move a weight by about lr * sign(gradient): an
     element whose gradient is at float round-off level (the two runs add partial sums in another order)
     can move by a different fraction of lr, so the gap between runs scales with lr (2.8e-4 at lr 1e-2)."""
-    one, two = (read_jsonl(tmp_path / p / "metrics.jsonl") for p in ("p1", "p2"))
-    assert [m["step"] for m in two] == [1, 2]
-    for a, b in zip(one, two):
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5) and b["loss"] == pytest.approx(a["loss"], abs=1e-6)
-    assert max_weight_difference(tmp_path / "p1" / "checkpoint", tmp_path / "p2" / "checkpoint") <= 1e-5
+    first, second = (read_jsonl(folder / "metrics.jsonl") for folder in (one, two))
+    assert [m["step"] for m in second] == [1, 2], two
+    for a, b in zip(first, second):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5) and b["loss"] == pytest.approx(a["loss"], abs=1e-6), two
+    assert max_weight_difference(one / "checkpoint", two / "checkpoint") <= 1e-5, two
 
 
-@pytest.mark.parametrize("loss_agg_mode,estimator", [("seq-mean-token-mean", "grpo"), ("token-mean", "grpo"),
-                                                     ("token-mean", "reinforce_pp")])  # whitened over both ranks
-def test_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path, loss_agg_mode, estimator):
+def scripted(model_dir, out, **overrides) -> dict:
+    """Scripted rollouts (no sampler log-probs, so no rollout correction): one process and two see the same data."""
+    return {**rl_settings(model_dir, out, rollout_is="none", **overrides), "fixed_rollouts": True}
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model_dir, tmp_path_factory) -> Path:
+    """The plain single process that several two-process and torchrun runs are held to (made once: a launch costs)."""
+    folder = tmp_path_factory.mktemp("one_process")
+    done = run(scripted(tiny_model_dir, folder / "run"), 1, folder)
+    (folder / "one_process.log").write_text(done.stdout + done.stderr)
+    return folder / "run"
+
+
+# Each case is a run made one after another in one launch of 1 process and one of 2 (tests/dist_worker.py takes a
+# list): the launches were 60-80 s each, the runs seconds. Uneven: the two ranks' returns differ (rank 1's are all
+# 0), so whitening each rank on its own would not give one process's advantages.
+SAME_STEPS = [("token-mean", "grpo"), ("token-mean", "reinforce_pp")]  # and the defaults (seq-mean-token-mean, grpo)
+
+
+def test_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path, one_process):
+    """Under 2 processes (whitened over both ranks), each loss aggregation and estimator's steps are one
+    process's: the default's against the shared single process, the others' in one launch each way."""
+    cases = {f"{mode}-{estimator}": dict(loss_agg_mode=mode, advantage_estimator=estimator) for mode, estimator in SAME_STEPS}
     for processes in (1, 2):
-        settings = rl_settings(tiny_model_dir, tmp_path / f"p{processes}", loss_agg_mode=loss_agg_mode,
-                               advantage_estimator=estimator, rollout_is="none")  # scripted: no sampler log-probs
-        # uneven: the two ranks' returns differ (rank 1's are all 0), so whitening each rank on its own
-        # would not give one process's advantages
-        run({**settings, "fixed_rollouts": True, "uneven": estimator != "grpo"}, processes, tmp_path)
-    assert_same_training(tmp_path)
+        runs = [{**scripted(tiny_model_dir, tmp_path / name / f"p{processes}", **flags),
+                 "uneven": flags["advantage_estimator"] != "grpo"} for name, flags in cases.items()]
+        if processes == 2:
+            runs.append(scripted(tiny_model_dir, tmp_path / "default" / "p2"))
+        run(runs, processes, tmp_path)
     start = models.load_model(tiny_model_dir)
-    moved = models.load_model(str(tmp_path / "p2" / "checkpoint"))
-    assert max((p - q).abs().max().item() for p, q in zip(start.parameters(), moved.parameters())) > 1e-4
+    for name, one in [*((name, tmp_path / name / "p1") for name in cases), ("default", one_process)]:
+        assert_same_training(one, tmp_path / name / "p2")
+        moved = models.load_model(str(tmp_path / name / "p2" / "checkpoint"))
+        assert max((p - q).abs().max().item() for p, q in zip(start.parameters(), moved.parameters())) > 1e-4, name
 
 
-def test_torchrun_with_one_process_shards_and_takes_the_same_steps(tiny_model_dir, tmp_path):
+def test_torchrun_with_one_process_shards_and_takes_the_same_steps(tiny_model_dir, tmp_path, one_process):
     """`torchrun --nproc_per_node 1` starts a process group and shards with FSDP2 (the GPU pass runs it on
-    NCCL), and its steps are a plain process's."""
-    settings = {**rl_settings(tiny_model_dir, tmp_path / "p1", rollout_is="none"), "fixed_rollouts": True}
-    plain = run(settings, 1, tmp_path)
-    assert "FSDP2" not in plain.stdout + plain.stderr
-    settings["args"] = {**settings["args"], "output_dir": str(tmp_path / "p2")}
-    sharded = run(settings, 1, tmp_path, torchrun=True)
+    NCCL), and its steps are a plain process's (which logs no FSDP2)."""
+    assert "FSDP2" not in (one_process.parent / "one_process.log").read_text()
+    sharded = run(scripted(tiny_model_dir, tmp_path / "p2"), 1, tmp_path, torchrun=True)
     assert "1 process(es) (torchrun, FSDP2)" in sharded.stdout + sharded.stderr
-    assert_same_training(tmp_path)
+    assert_same_training(one_process, tmp_path / "p2")
 
 
-def test_two_processes_with_compiled_layers_take_one_eager_process_s_steps(tiny_model_dir, tmp_path):
+def test_two_processes_with_compiled_layers_take_one_eager_process_s_steps(tiny_model_dir, tmp_path, one_process):
     """--compile_layers under torchrun: FSDP2's one forward per microbatch runs the compiled layers (a model
     forward builds no key/value cache for them to refuse), over responses of several lengths, and the steps
     are an eager single process's (aot_eager: the same graph, no code generation)."""
-    settings = {**rl_settings(tiny_model_dir, tmp_path / "p1", rollout_is="none"), "fixed_rollouts": True}
-    run(settings, 1, tmp_path)
-    settings["args"] = {**settings["args"], "output_dir": str(tmp_path / "p2"), "compile_layers": True}
+    settings = scripted(tiny_model_dir, tmp_path / "p2", compile_layers=True)
     done = run({**settings, "compile_backend": "aot_eager"}, 2, tmp_path)
     assert "decoder layers compiled (aot_eager)" in done.stdout + done.stderr
-    assert_same_training(tmp_path)
+    assert_same_training(one_process, tmp_path / "p2")
 
 
-@pytest.mark.parametrize("estimator,microbatch_tokens", [("grpo", None), ("reinforce_pp_baseline", None),
-                                                         ("grpo", 1000)])  # rows; microbatches sized by tokens
-def test_a_rank_with_nothing_to_train_joins_every_collective(tiny_model_dir, tmp_path, estimator, microbatch_tokens):
+def test_a_rank_with_nothing_to_train_joins_every_collective(tiny_model_dir, tmp_path):
     """Dynamic sampling drops all of rank 1's groups: it must still match rank 0's forward/backward calls
     (dummy microbatches) and whitening's global sums, and the update equals one process's on the same
-    kept groups."""
+    kept groups; for grpo and reinforce_pp_baseline by rows, and grpo with microbatches sized by tokens (each case
+    a run of one launch per side)."""
+    cases = {f"{estimator}-{tokens}": dict(advantage_estimator=estimator, microbatch_tokens=tokens)
+             for estimator, tokens in [("grpo", None), ("reinforce_pp_baseline", None), ("grpo", 1000)]}
     for processes in (1, 2):
-        settings = rl_settings(tiny_model_dir, tmp_path / f"p{processes}", filter_low=0.0, max_sampling_rounds=1,
-                               advantage_estimator=estimator, rollout_is="none",  # scripted: no sampler log-probs
-                               microbatch_tokens=microbatch_tokens)
-        run({**settings, "fixed_rollouts": True, "uneven": True}, processes, tmp_path, timeout=300)
-    metrics = read_jsonl(tmp_path / "p2" / "metrics.jsonl")
-    assert [m["kept_traces"] for m in metrics] == [4, 4]  # half the batch: rank 0's groups only
-    assert_same_training(tmp_path)
+        run([{**scripted(tiny_model_dir, tmp_path / name / f"p{processes}", filter_low=0.0, max_sampling_rounds=1,
+                         **flags), "uneven": True} for name, flags in cases.items()], processes, tmp_path)
+    for name in cases:
+        metrics = read_jsonl(tmp_path / name / "p2" / "metrics.jsonl")
+        assert [m["kept_traces"] for m in metrics] == [4, 4], name  # half the batch: rank 0's groups only
+        assert_same_training(tmp_path / name / "p1", tmp_path / name / "p2")
 
 
 def test_two_process_train_rl_checkpoints_and_resumes(tiny_model_dir, tmp_path):

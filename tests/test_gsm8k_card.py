@@ -121,7 +121,8 @@ def test_the_card_of_nothing_run_yet_is_dashes_and_nanochats_rows(tmp_path):
 def test_the_driver_runs_both_arms_on_a_tiny_model_stopped_and_resumed(tiny_model_dir, tmp_path):
     out = tmp_path / "card"
     command = [sys.executable, "bench/gsm8k_card.py", "--model", tiny_model_dir, "--seeds", "0", "--sft_examples", "16",
-               "--rl_steps", "2", "--limit", "3", "--passk_limit", "2", "--backend", "hf", "--out", str(out)]
+               "--rl_steps", "2", "--limit", "3", "--passk_limit", "2", "--rl_eval_limit", "2", "--backend", "hf",
+               "--out", str(out)]
     # stopped while the text arm's RL runs: the stage gets the signal, saves its step, the driver says how to go on
     driver = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 900

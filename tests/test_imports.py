@@ -149,3 +149,19 @@ def test_the_scripts_answer_help_and_a_bad_flag_before_torch_loads():
             assert done.returncode == status and said in done.stdout + done.stderr, (script, flags, done.stderr[-2000:])
             if status:
                 assert len(done.stderr.strip().splitlines()) == 1, (script, done.stderr)
+
+
+def test_the_drivers_answer_help_and_a_bad_flag_before_torch_loads():
+    """The bench drivers read their flags, write a card and refuse a bad command without torch: `gsm8k_card.py
+    --card` on a missing folder took 10 s of imports (steps_demo reached torch through alignment.run, the card
+    through calculator's tir), the stages load it in their own processes."""
+    import subprocess
+    import sys
+    blocked = "import sys, runpy; sys.modules.update(dict.fromkeys(('torch', 'transformers', 'peft', 'vllm')))"
+    for driver in ("gsm8k_card", "steps_demo", "tir_demo", "delethink_demo"):
+        for flags, status, said in ((["--help"], 0, "usage:"), (["--no_such_flag"], 2, "no_such_flag")):
+            code = (f"{blocked}; sys.path.insert(0, 'bench'); sys.argv = ['bench/{driver}.py', *{flags!r}]; "
+                    f"runpy.run_path('bench/{driver}.py', run_name='__main__')")
+            done = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True,
+                                  timeout=120)
+            assert done.returncode == status and said in done.stdout + done.stderr, (driver, flags, done.stderr[-2000:])
