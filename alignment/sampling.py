@@ -44,7 +44,7 @@ from alignment.seeds import derive_seed
 # vLLM-CPU's KV block (its default: 128). The prefix cache reuses whole blocks only, so with 128 a GSM8K prompt
 # (~110-160 tokens) shared by a group, and a TIR trace's context when its next round starts, were prefilled again
 # almost whole; 32 is the smallest block the CPU attention takes: a TIR step's rollout 1.4x as fast
-# (bench/tir_serve.py, docs/results.md "GSM8K card").
+# (bench/tir_serve.py, docs/log.md "GSM8K card").
 CPU_BLOCK_SIZE = 32
 
 
@@ -367,7 +367,7 @@ class VLLMSampler:
         as the engine runs at once and as its KV cache holds at their longest, the first request's prompt and
         max_tokens); the next tag of `requests` starts when one finishes. With every tag at once, a tag back from
         its tool queued behind the fresh ones while their blocks took the prefix cache (1,300 traces: its hit
-        rate fell from 63% to 34%, docs/results.md), and the engine computed returning contexts again."""
+        rate fell from 63% to 34%, docs/log.md, "GSM8K card"), and the engine computed returning contexts again."""
         from vllm import SamplingParams as VParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind

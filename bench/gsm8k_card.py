@@ -60,7 +60,7 @@ SFT_LR = "1e-4"  # one epoch, batch 8, warmup and cosine decay (sft's schedule)
 # evaluations must fit one session of 3 hours on 2 cores. 2,400 solutions (300 steps) take ~25 min for the text arm alone.
 SFT_EXAMPLES = 2400
 K, PASSK_LIMIT, TEMPERATURE = 8, 400, "1.0"  # pass@k and maj@k at RL's sampling temperature, as nanochat's
-# RL (pilots in docs/results.md, "GSM8K card"): nanochat samples 16 x 16 a step at temperature 1, advantage = reward -
+# RL (pilots in docs/log.md, "GSM8K card"): nanochat samples 16 x 16 a step at temperature 1, advantage = reward -
 # group mean, no KL, no clipping (one epoch on-policy: the clip never binds), a token-level mean. Here 16 answers to
 # each of 4 questions: the text SFT's pass@8 is 0.12 (2026-12-02), so about one group in eight has a right answer to
 # learn from; 16 answers a question (nanochat's number) find one more often and spread the 64 samples of a step

@@ -13,7 +13,7 @@ tokens submitted, those its prefix cache held, tokens sampled (each round submit
 the cache holds whole KV blocks only, so a round computes its forced output and the tail of its last block again).
 Served admits at most --in_flight traces at once (in the engine or at their tools): serve's default, room (what
 the engine runs at once with each trace's whole KV held), or all of a batch, whose returning traces queue behind
-fresh ones and lose their cached contexts when the KV cache is short (docs/results.md, 2026-12-04).
+fresh ones and lose their cached contexts when the KV cache is short (docs/log.md, "GSM8K card", 2026-12-04).
 """
 
 import argparse

@@ -2,7 +2,7 @@
 decoder layer and host reads per optimizer step, under a `TorchDispatchMode`. On a GPU each operation is a
 kernel launch plus its Python (10-20 us), and each host read (`.item()`, a Python `bool` of a tensor, boolean
 mask indexing, `.tolist()`) stops the CPU from running ahead of the GPU; the H200 pass measured the train
-phase at 4-13% of the GPU's FLOP rate for exactly these (docs/results.md, "The GPU pass").
+phase at 4-13% of the GPU's FLOP rate for exactly these (docs/log.md, "The GPU pass: one H100 or H200").
 
 Counted 2026-11-28 (before any of issue 61's levers), one optimizer step of train_rl on a tiny
 Llama (8 rows of 6 tokens in 2 microbatches of 4, groups of 4 packed into one forward, fp32): 449 aten
