@@ -263,9 +263,6 @@ def _count(text: str) -> int:
     return value
 
 
-_count.__name__ = "count"  # what argparse names when a value is no number
-
-
 def _index(text: str) -> int:
     """An argparse type: a whole number from 0."""
     value = int(text)

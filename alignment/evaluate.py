@@ -37,7 +37,8 @@ from alignment.errors import UserError, cli
 from alignment.drgrpo_grader import (extract_boxed, extract_last_number, grade, normalize, question_only_reward_fn,
                                      r1_zero_reward_fn)
 from alignment.rollout import traces
-from alignment.run import LOCK_FILE, lock_folder, run_config
+from alignment.folders import LOCK_FILE
+from alignment.run import lock_folder, run_config
 from alignment.samplers import make_sampler, pick_backend
 from alignment.user_reward import zero_failed_parts
 from alignment.sampling import SamplingParams

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from alignment.errors import MissingFileError, UserError, cli, one_line_error
-from alignment.run import PLOT_FILE, read_jsonl
+from alignment.folders import PLOT_FILE, read_jsonl
 
 PANELS = [
     ("reward", [("reward", "train reward"), ("eval_avg_all_rewards", "eval reward")]),

@@ -40,7 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from alignment import distributed, folders, models
-from alignment.folders import LOCK_FILE, PLOT_FILE, RUN_FILES, WRITE_PROBE, read_jsonl  # (torch-free: the drivers read them)
+from alignment.folders import LOCK_FILE, RUN_FILES, WRITE_PROBE, read_jsonl
 from alignment.args import SCRIPTS, saved_dict, to_dict
 from alignment.errors import MissingFileError, StoppedAtOnce, UserError
 
@@ -335,8 +335,6 @@ def _holds_a_run(folder: Path) -> bool:
     # not the lock, nor writable_folder's probe: under torchrun rank 0 makes both while the others look
     nothing = {LOCK_FILE, WRITE_PROBE} | ({"config.json"} if run_config(folder) else set())
     return folder.is_dir() and any(p.name not in nothing for p in folder.iterdir())
-
-
 
 
 def lock_folder(folder: Path):

@@ -56,7 +56,7 @@ from alignment import data, models, train_rl
 from alignment.args import RLArgs
 from alignment.errors import UserError
 from alignment.evaluate import build_prompts
-from alignment.run import RUN_FILES
+from alignment.folders import RUN_FILES
 
 ROOT = Path(__file__).resolve().parent.parent
 TRL_VERSION = "1.16.0"

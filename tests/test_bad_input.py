@@ -13,7 +13,8 @@ import torch
 from alignment import evaluate, models, plot, sft, train_rl
 from alignment.args import AT_LEAST_ZERO, AT_MOST_ONE, POSITIVE, SCRIPTS, EIArgs, EvalArgs, RLArgs, SFTArgs, parse
 from alignment.errors import UserError
-from alignment.run import Run, read_jsonl
+from alignment.folders import read_jsonl
+from alignment.run import Run
 from tests.conftest import hold_lock, parity_reward
 from tests.test_sft import tiny_args as tiny_sft_args
 from tests.test_train_rl import tiny_args

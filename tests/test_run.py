@@ -11,7 +11,8 @@ import torch
 from alignment import models
 from alignment.args import RunArgs
 from alignment.errors import MissingFileError, UserError
-from alignment.run import PLOT_FILE, STATE_FILE, Run
+from alignment.folders import PLOT_FILE
+from alignment.run import STATE_FILE, Run
 from tests.conftest import hold_lock
 
 
@@ -307,7 +308,8 @@ def test_what_rank_0_makes_while_the_other_ranks_look_is_not_a_run(tmp_path):
     """Under torchrun rank 0 creates the folder, its lock and writable_folder's probe file while the other
     ranks check whether the folder already holds a run: none of those may read as a run (a race that failed
     rank 1 of a 2-process run now and then)."""
-    from alignment.run import LOCK_FILE, WRITE_PROBE, _holds_a_run
+    from alignment.folders import LOCK_FILE, WRITE_PROBE
+    from alignment.run import _holds_a_run
     for name in (LOCK_FILE, WRITE_PROBE):
         (tmp_path / name).write_text("")
     (tmp_path / "config.json").write_text(json.dumps({"output_dir": str(tmp_path), "start_model": "m", "script": "sft"}))

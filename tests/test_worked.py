@@ -13,7 +13,7 @@ from alignment import data, sft, train_rl, worked
 from alignment.args import EvalArgs, RLArgs, SFTArgs, parse
 from alignment.drgrpo_grader import r1_zero_reward_fn
 from alignment.errors import UserError
-from alignment.run import read_jsonl
+from alignment.folders import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 demo = importlib.util.module_from_spec(importlib.util.spec_from_file_location("steps_demo", ROOT / "bench" / "steps_demo.py"))
